@@ -1,0 +1,124 @@
+"""Cells: one (model, sequence length, batch size, stack) of a matrix, with a stable id.
+
+A plan is every cell of a matrix in run order, each either runnable or skipped with the reason.
+Run order groups (model, seq_len, stack) and walks batch sizes upwards, so that an OOM at batch b
+can prune the larger batches of its group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from . import models
+from .envinfo import HostCaps
+from .spec import MatrixSpec, SpecError
+from .stacks import Stack
+
+CELL_SCHEMA = 1  # bump when the meaning of a cell's fields changes: every cell id changes with it
+
+
+@dataclass(frozen=True)
+class Cell:
+    matrix: str
+    model: str
+    seq_len: int
+    batch_size: int
+    stack: Stack
+    device: str  # cpu | cuda (resolved)
+    warmup_steps: int
+    measure_steps: int
+    seed: int
+    timeout_s: float
+
+    @property
+    def group(self) -> tuple[str, int, str]:
+        """Cells that differ only in batch size: the unit of OOM pruning."""
+        return (self.model, self.seq_len, self.stack.label)
+
+    @property
+    def cell_id(self) -> str:
+        """Readable and stable: the same settings give the same id on any machine, any day."""
+        key = {
+            "schema": CELL_SCHEMA,
+            "model": models.get(self.model).config_json,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "stack": [[u.name, list(map(list, u.options))] for u in self.stack.uses],
+            "device": self.device,
+            "steps": [self.warmup_steps, self.measure_steps],
+            "seed": self.seed,
+        }
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+        stack_slug = re.sub(r"[^A-Za-z0-9+._-]+", "-", self.stack.label.replace(" ", "")).strip("-")
+        return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}_{digest}"
+
+    def to_json(self) -> dict:
+        return {
+            "cell_id": self.cell_id,
+            "matrix": self.matrix,
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "stack": self.stack.label,
+            "stack_uses": [[u.name, dict(u.options)] for u in self.stack.uses],
+            "device": self.device,
+            "warmup_steps": self.warmup_steps,
+            "measure_steps": self.measure_steps,
+            "seed": self.seed,
+            "timeout_s": self.timeout_s,
+        }
+
+
+@dataclass(frozen=True)
+class PlannedCell:
+    cell: Cell
+    skip_reason: str | None  # None: it will run
+
+
+def resolve_device(matrix: MatrixSpec, host: HostCaps) -> str:
+    if matrix.device == "auto":
+        return "cuda" if host.cuda_devices > 0 else "cpu"
+    return matrix.device
+
+
+def expand(matrix: MatrixSpec, host: HostCaps) -> list[Cell]:
+    device = resolve_device(matrix, host)
+    cells = [
+        Cell(matrix.name, model, seq, batch, stack, device, matrix.warmup_steps,
+             matrix.measure_steps, matrix.seed, matrix.timeout_s)
+        for model in matrix.models
+        for seq in matrix.seq_lens
+        for stack in matrix.stacks
+        for batch in sorted(matrix.batch_sizes)
+    ]
+    ids = [c.cell_id for c in cells]
+    duplicated = {i for i in ids if ids.count(i) > 1}
+    if duplicated:  # e.g. "gc+lora" and "lora + gc" listed twice
+        raise SpecError(f"matrix {matrix.name}: the same cell is listed twice: {sorted(duplicated)[0]}")
+    return cells
+
+
+def plan(matrix: MatrixSpec, host: HostCaps) -> list[PlannedCell]:
+    return [PlannedCell(c, skip_reason(c, matrix, host)) for c in expand(matrix, host)]
+
+
+def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
+    """Why this cell cannot run here, or None. Checked before anything runs."""
+    for i, rule in enumerate(matrix.exclude):
+        values = {"model": cell.model, "seq_len": cell.seq_len, "batch_size": cell.batch_size,
+                  "stack": cell.stack.label}
+        if all(values[k] == v for k, v in rule):
+            return f"excluded by {matrix.name}.exclude[{i}]"
+    if cell.device == "cuda" and host.cuda_devices == 0:
+        return "needs a CUDA GPU: none is visible on this machine"
+    for use in cell.stack.uses:
+        t = use.technique
+        if t.requires_cuda and cell.device != "cuda":
+            return f"{t.name} needs CUDA (this cell runs on {cell.device})"
+        missing = [p for p in t.packages if p not in host.packages]
+        if missing:
+            return f"{t.name} needs the {', '.join(missing)} package (not installed)"
+    return None

@@ -1,0 +1,149 @@
+"""Command line: wiring only.
+
+    python -m bench list MATRIX       the plan: every cell, and why a cell will be skipped
+    python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
+    python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
+    python -m bench env               what this machine has (GPU, libraries) as the suite sees it
+
+Exit codes: 0 done; 1 some cell ended in error; 2 bad input (matrix.yaml, a stack) or nothing runnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+from pathlib import Path
+
+from . import cells, envinfo, report, results, runner, spec
+from .progress import RichProgress
+from .stacks import StackError
+
+DEFAULT_MATRIX_FILE = envinfo.REPO / "matrix.yaml"
+DEFAULT_RESULTS = envinfo.REPO / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (spec.SpecError, StackError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Memory strategies for LLM training, measured.")
+    p.add_argument("--matrix-file", type=Path, default=DEFAULT_MATRIX_FILE)
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
+    sub = p.add_subparsers(required=True, dest="command")
+
+    ls = sub.add_parser("list", help="print the plan of a matrix; runs nothing")
+    ls.add_argument("matrix")
+    ls.set_defaults(func=cmd_list)
+
+    run = sub.add_parser("run", help="run a matrix")
+    run.add_argument("matrix")
+    run.add_argument("--run-id", help="resume or name a run (default: MATRIX-DEVICE-YYYYMMDD, resumed if present)")
+    run.add_argument("--fresh", action="store_true", help="start a new run id instead of resuming today's")
+    run.add_argument("--only", help="only cells whose id matches this glob, e.g. '*_b2_*'")
+    run.add_argument("--redo", default="", help="re-run recorded cells with these statuses (comma list, or 'all')")
+    run.add_argument("--no-prune", action="store_true", help="run larger batches even after an OOM")
+    run.add_argument("--prefork", choices=("auto", "on", "off"), default="auto",
+                     help="start the next worker while a cell runs (auto: on for GPU runs)")
+    run.set_defaults(func=cmd_run)
+
+    rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its newest run")
+    rep.add_argument("matrix")
+    rep.set_defaults(func=cmd_report)
+
+    env = sub.add_parser("env", help="what this machine has, as the suite sees it")
+    env.set_defaults(func=cmd_env)
+    return p
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    matrix = spec.get(args.matrix_file, args.matrix)
+    planned = cells.plan(matrix, envinfo.host_caps())
+    runnable = sum(pc.skip_reason is None for pc in planned)
+    print(f"{matrix.name}: {len(planned)} cells, {runnable} runnable here, {len(planned) - runnable} skipped"
+          + (f" — {matrix.description}" if matrix.description else ""))
+    for pc in planned:
+        print(f"  {'run ' if pc.skip_reason is None else 'skip'}  {pc.cell.cell_id}"
+              + (f"  ({pc.skip_reason})" if pc.skip_reason else ""))
+    print("Cells after an OOM at a smaller batch of the same model/seq/stack are pruned at run time.")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    matrix = spec.get(args.matrix_file, args.matrix)
+    host = envinfo.host_caps()
+    planned = cells.plan(matrix, host)
+    if not any(pc.skip_reason is None for pc in planned):
+        return _nothing_runnable(args, matrix, planned, host)
+    device = cells.resolve_device(matrix, host)
+    provenance = envinfo.provenance(host)
+    run_id = args.run_id or _default_run_id(matrix.name, device, provenance, args.fresh)
+    opts = runner.RunOptions(
+        results_dir=args.results_dir,
+        run_id=run_id,
+        prune_after_oom=matrix.prune_after_oom and not args.no_prune,
+        redo=frozenset(filter(None, args.redo.split(","))),
+        only=args.only,
+        prefork=args.prefork == "on" or (args.prefork == "auto" and device == "cuda"),
+    )
+    print(f"run {run_id}: {len(planned)} cells of {matrix.name!r} on {device}; raw rows in "
+          f"{args.results_dir / 'raw' / run_id}")
+    with RichProgress() as progress:
+        rows = runner.run(planned, opts, provenance, progress)
+    ids = {pc.cell.cell_id for pc in planned}
+    parquet = args.results_dir / matrix.name / "runs" / f"{run_id}.parquet"
+    results.write_parquet([r for cid, r in rows.items() if cid in ids], parquet)
+    board = report.write_leaderboard(parquet, args.results_dir / matrix.name / "LEADERBOARD.md",
+                                     _command(matrix.name, run_id))
+    counts = runner.summarize(rows, planned)
+    print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}")
+    print(f"table: {parquet}\nleaderboard: {board}")
+    return 1 if counts.get("error") else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    parquet = report.newest_run(args.results_dir / args.matrix)
+    run_id = parquet.stem
+    board = report.write_leaderboard(parquet, args.results_dir / args.matrix / "LEADERBOARD.md",
+                                     _command(args.matrix, run_id))
+    print(f"leaderboard: {board} (from {parquet})")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    host = envinfo.host_caps()
+    print(json.dumps({"cuda_devices": host.cuda_devices, "optional_packages": sorted(host.packages),
+                      **envinfo.provenance(host)}, indent=2, default=str))
+    return 0
+
+
+def _nothing_runnable(args: argparse.Namespace, matrix: spec.MatrixSpec, planned: list[cells.PlannedCell],
+                      host: envinfo.HostCaps) -> int:
+    reasons = sorted({pc.skip_reason for pc in planned if pc.skip_reason})
+    here = [name for name, m in spec.load(args.matrix_file).items()
+            if any(pc.skip_reason is None for pc in cells.plan(m, host))]
+    print(f"error: no cell of matrix {matrix.name!r} can run on this machine: {'; '.join(reasons)}.\n"
+          f"Matrices that run here: {', '.join(here) or 'none'} (e.g. `make bench MATRIX={here[0] if here else 'smoke'}`). "
+          f"`python -m bench list {matrix.name}` shows the plan.", file=sys.stderr)
+    return 2
+
+
+def _default_run_id(matrix: str, device: str, provenance: dict, fresh: bool) -> str:
+    name = str(provenance.get("gpu_name") or "")
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    where = found.group(1).lower() if device == "cuda" and found else device
+    now = dt.datetime.now(dt.UTC)
+    stamp = now.strftime("%Y%m%d-%H%M%S") if fresh else now.strftime("%Y%m%d")
+    return f"{matrix}-{where}-{stamp}"
+
+
+def _command(matrix: str, run_id: str) -> str:
+    return f"make bench MATRIX={matrix}` (this run: `python -m bench run {matrix} --run-id {run_id}`)"

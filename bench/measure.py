@@ -1,0 +1,166 @@
+"""Memory and time counters of one cell. All memory figures are GiB (2^30 bytes).
+
+Definitions (the README and results.SCHEMA repeat them):
+- peak allocated / reserved / active: the caching allocator's peaks (torch.cuda.memory_stats),
+  bytes held by live tensors / bytes the allocator holds from the driver / bytes in blocks in use.
+  "overall" covers every phase of the cell from model build through the first step to the last
+  step: it decides "does it fit". "steady" covers the measured steps only (after warm-up).
+- the phase of the peak: the (stage, phase) whose allocated peak was highest; stages are build,
+  first_step (lazy optimizer state appears here), warmup, measure; phases forward, backward, optimizer.
+- NVML peak: device-level used memory sampled every 10 ms, minus the device's used memory before
+  this process touched CUDA. It sees what torch does not (CUDA context, cuBLAS workspaces, NCCL,
+  memory other libraries allocate themselves) and also any other process on the same GPU.
+- host RSS peak: the worker process's maximum resident set (getrusage), GiB.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import threading
+from typing import Any
+
+GIB = 2**30
+
+# Dense bf16 peak FLOP/s by GPU name fragment (first match wins); the GPU name is stored on every
+# row, so MFU can be re-derived if a figure here changes.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("RTX 4090", 165e12),
+)
+
+
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    for fragment, flops in PEAK_BF16_FLOPS:
+        if gpu_name and fragment in gpu_name:
+            return flops
+    return None
+
+
+def flops_per_token(model: Any, seq_len: int) -> float:
+    """6 * N_matmul + 12 * L * H * head_dim * T (the PaLM / torchtitan convention).
+
+    N_matmul counts every parameter except the input embedding (a lookup, not a matmul); a tied
+    lm_head is counted once, since its matmul runs although its weight is the embedding's.
+    The second term is attention's score and value matmuls at sequence length T.
+    """
+    cfg = model.config
+    n_total = sum(p.numel() for p in model.parameters())
+    n_embedding = model.get_input_embeddings().weight.numel()
+    tied_head = model.get_output_embeddings().weight.numel() if cfg.tie_word_embeddings else 0
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+    return 6 * (n_total - n_embedding + tied_head) + attention
+
+
+def host_rss_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
+def tensor_gib(tensors: Any) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / GIB
+
+
+def step_time_stats(step_s: list[float]) -> dict[str, float]:
+    ms = sorted(s * 1000 for s in step_s)
+    mean = statistics.fmean(ms)
+    cuts = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    return {
+        "step_ms_p10": cuts[0],
+        "step_ms_p50": statistics.median(ms),
+        "step_ms_p90": cuts[8],
+        "step_time_cv": statistics.pstdev(ms) / mean if mean else 0.0,
+    }
+
+
+class PhaseTracker:
+    """Per-phase allocator peaks: reset the peak at each phase boundary, read it at the next.
+
+    The caching allocator updates its statistics on the host when it hands out memory, so the
+    peaks need no device synchronisation. On the CPU it only remembers the phase (for OOM rows).
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.where = "build"
+        self.peaks: dict[str, tuple[int, int, int]] = {}  # "stage/phase" -> (allocated, reserved, active)
+        if cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def enter(self, where: str) -> None:
+        self.close()
+        self.where = where
+
+    def close(self) -> None:
+        if not self.cuda:
+            return
+        import torch
+
+        s = torch.cuda.memory_stats()
+        now = (s.get("allocated_bytes.all.peak", 0), s.get("reserved_bytes.all.peak", 0),
+               s.get("active_bytes.all.peak", 0))
+        old = self.peaks.get(self.where, (0, 0, 0))
+        self.peaks[self.where] = tuple(max(a, b) for a, b in zip(old, now, strict=False))  # type: ignore[assignment]
+        torch.cuda.reset_peak_memory_stats()
+
+    def summary(self) -> dict[str, Any]:
+        if not self.peaks:
+            return {}
+        steady = [v for k, v in self.peaks.items() if k.startswith("measure/")]
+        top = max(self.peaks, key=lambda k: self.peaks[k][0])
+        out: dict[str, Any] = {"peak_phase": top}
+        for i, name in enumerate(("allocated", "reserved", "active")):
+            out[f"peak_{name}_gib"] = max(v[i] for v in self.peaks.values()) / GIB
+            out[f"steady_peak_{name}_gib"] = max(v[i] for v in steady) / GIB if steady else None
+        return out
+
+
+class NvmlSampler:
+    """Samples the device's used memory from a thread; the baseline is read before CUDA starts."""
+
+    def __init__(self, interval_s: float = 0.01):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = self._visible_device_handle()
+        self.baseline_bytes = self._used()
+        self.peak_bytes = self.baseline_bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _visible_device_handle(self) -> Any:
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        if first.isdigit():
+            return self._nvml.nvmlDeviceGetHandleByIndex(int(first))
+        return self._nvml.nvmlDeviceGetHandleByUUID(first)
+
+    def _used(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak_bytes = max(self.peak_bytes, self._used())
+
+    def stop(self) -> float:
+        """Stops sampling; returns the peak above the baseline in GiB."""
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self._used())
+        return (self.peak_bytes - self.baseline_bytes) / GIB
+
+
+def start_nvml_sampler() -> NvmlSampler | None:
+    try:
+        return NvmlSampler()
+    except Exception:  # no NVML (driverless container): the NVML column stays empty
+        return None

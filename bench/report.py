@@ -1,0 +1,136 @@
+"""Parquet -> markdown leaderboard. Generated, never edited by hand.
+
+Per model and sequence length, one row per stack: peak memory and tokens/s for each batch size,
+the largest batch that ran, and the change against the baseline at the largest batch both ran.
+OOM and skipped cells stay visible in the grid and are listed with their reasons below it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .stacks import BASELINE
+
+
+def memory_column(frame: pd.DataFrame) -> tuple[str, str]:
+    """The figure a cell shows as 'peak', and its definition for the caption."""
+    if (frame["device"] == "cuda").any():
+        return ("peak_reserved_gib", "overall peak reserved by the caching allocator, from model build "
+                "through the first (optimizer-state) step to the last: what must fit on the card, "
+                "CUDA context not included (see nvml_peak_gib in the parquet for that)")
+    return ("host_rss_peak_gib", "peak resident memory of the worker process (CPU run: weights, "
+            "activations and optimizer state live in host RAM, with the Python runtime and libraries)")
+
+
+def leaderboard(frame: pd.DataFrame, command: str) -> str:
+    frame = frame.sort_values(["model", "seq_len", "stack", "batch_size"])
+    mem_col, mem_def = memory_column(frame)
+    first = frame.iloc[0]
+    lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command), "",
+             f"Each cell: **peak GiB · tokens/s**. Peak = {mem_def}. Tokens/s = tokens in the "
+             f"{first['measure_steps']} measured steps / their summed step time, after "
+             f"{first['warmup_steps']} warm-up steps. GiB = 2^30 bytes. `OOM (phase)`: out of GPU memory; "
+             "`skip`: not run (reasons below). *vs baseline*: change against the baseline stack at the "
+             "largest batch size both ran.", ""]
+    for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
+        lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), ""]
+    lines += _not_ok(frame)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _caption(frame: pd.DataFrame, command: str) -> list[str]:
+    r = frame.iloc[0]
+    if r["device"] == "cuda":
+        machine = f"{r['gpu_name']} ({_num(r['gpu_memory_gib'])} GiB) ×{r['gpu_count']}, driver {r['driver']}, CUDA {r['cuda']}"
+    else:
+        machine = f"CPU only: {r['cpu_name']}"
+    libs = ", ".join(f"{name} {r[f'{name}_version']}" for name in ("torch", "transformers", "peft", "deepspeed",
+                     "liger_kernel", "bitsandbytes") if pd.notna(r[f"{name}_version"]))
+    dirty = " (uncommitted changes)" if r["git_dirty"] is True else ""
+    sha = str(r["git_sha"])[:10] if pd.notna(r["git_sha"]) else "unknown"
+    counts = frame["status"].value_counts()
+    status = ", ".join(f"{counts[s]} {s}" for s in ("ok", "oom", "host_oom", "skipped", "error", "timeout") if s in counts)
+    return [
+        f"- Machine: {machine}",
+        f"- Libraries: {libs}; Python {r['python']}",
+        f"- Run `{r['run_id']}`, suite commit `{sha}`{dirty}, started {frame['started_at'].min()}",
+        f"- Cells: {len(frame)} ({status})",
+        f"- Reproduce: `{command}",
+    ]
+
+
+def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
+    batches = sorted(group["batch_size"].unique())
+    stacks = sorted(group["stack"].unique(), key=lambda s: (s != BASELINE, s))
+    head = ["stack", *(f"b={b}" for b in batches), "largest batch", "vs baseline"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = group[group["stack"] == BASELINE]
+    for stack in stacks:
+        sub = group[group["stack"] == stack].set_index("batch_size")
+        cells = [_cell(sub.loc[b], mem_col) if b in sub.index else "" for b in batches]
+        ok = sub[sub["status"] == "ok"]
+        largest = str(max(ok.index)) if len(ok) else "none"
+        rows.append("| " + " | ".join([f"`{stack}`", *cells, largest, _vs_baseline(ok, base, mem_col, stack)]) + " |")
+    return rows
+
+
+def _cell(row: pd.Series, mem_col: str) -> str:
+    if row["status"] == "ok":
+        return f"{_num(row[mem_col])} GiB · {_rate(row['tokens_per_s'])}"
+    if row["status"] == "oom":
+        return f"OOM ({row['oom_phase']})"
+    if row["status"] == "skipped":
+        return "skip (pruned)" if str(row["skip_reason"]).startswith("pruned") else "skip"
+    return row["status"]
+
+
+def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str) -> str:
+    if stack == BASELINE:
+        return ""
+    base_ok = base[base["status"] == "ok"].set_index("batch_size")
+    shared = sorted(set(ok.index) & set(base_ok.index))
+    if not shared:
+        return "n/a"
+    b = shared[-1]
+    mem = ok.loc[b, mem_col] / base_ok.loc[b, mem_col] - 1
+    rate = ok.loc[b, "tokens_per_s"] / base_ok.loc[b, "tokens_per_s"] - 1
+    return f"mem {_pct(mem)}, tok/s {_pct(rate)} (b={b})"
+
+
+def _not_ok(frame: pd.DataFrame) -> list[str]:
+    bad = frame[frame["status"] != "ok"]
+    if bad.empty:
+        return []
+    lines = ["## Cells that did not run to the end", "", "| cell | status | where / why |", "|---|---|---|"]
+    for _, r in bad.iterrows():
+        why = r["oom_phase"] if r["status"] == "oom" else r["skip_reason"] if r["status"] == "skipped" else r["error"]
+        first_line = str(why).strip().splitlines()[-1] if pd.notna(why) and str(why).strip() else ""
+        lines.append(f"| `{r['cell_id']}` | {r['status']} | {first_line.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def _pct(x: float) -> str:
+    return "±0%" if round(x * 100) == 0 else f"{x:+.0%}"
+
+
+def _num(x: Any) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1000:.1f}k tok/s" if x >= 1000 else f"{x:.0f} tok/s"
+
+
+def newest_run(matrix_dir: Path) -> Path:
+    runs = sorted((matrix_dir / "runs").glob("*.parquet"))
+    if not runs:
+        raise FileNotFoundError(f"no runs under {matrix_dir / 'runs'}: run `python -m bench run {matrix_dir.name}` first")
+    return max(runs, key=lambda p: pd.read_parquet(p, columns=["started_at"])["started_at"].max())
+
+
+def write_leaderboard(parquet: Path, out: Path, command: str) -> Path:
+    out.write_text(leaderboard(pd.read_parquet(parquet), command))
+    return out

@@ -1,0 +1,148 @@
+"""Result rows: the schema (column order = schema order), atomic per-cell JSON, parquet per run.
+
+Layout under the results directory:
+    raw/<run_id>/<cell_id>.json      one row per finished cell, written atomically (tmp + rename)
+    raw/<run_id>/logs/<cell_id>.log  the worker's stdout and stderr
+    <matrix>/runs/<run_id>.parquet   all rows of a run, collected from raw/
+    <matrix>/LEADERBOARD.md          generated from the newest run's parquet
+
+Memory is in GiB (2^30 bytes), times in ms or s as named, throughput in tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
+
+# (column, type, definition). Types: str, int, float, bool.
+SCHEMA: tuple[tuple[str, str, str], ...] = (
+    ("schema_version", "int", "version of this schema"),
+    ("run_id", "str", "the run this row belongs to"),
+    ("cell_id", "str", "stable id: model, seq, batch, stack label and a hash of every setting"),
+    ("matrix", "str", "matrix name in matrix.yaml"),
+    ("model", "str", "model registry name (bench/model_configs/<model>.json)"),
+    ("seq_len", "int", "tokens per sequence"),
+    ("batch_size", "int", "sequences per optimizer step (micro-batch)"),
+    ("stack", "str", "technique stack label; 'baseline' = pure bf16 + fused AdamW + sdpa"),
+    ("stack_json", "str", "every technique of the stack with all options resolved (JSON)"),
+    ("device", "str", "cuda or cpu"),
+    ("warmup_steps", "int", "steps before measurement (the first one included)"),
+    ("measure_steps", "int", "timed steps"),
+    ("seed", "int", "seed of weights and tokens"),
+    ("status", "str", "ok | oom | host_oom | skipped | error | timeout"),
+    ("oom_phase", "str", "for oom: stage/phase it happened in (build, first_step/backward, ...)"),
+    ("skip_reason", "str", "for skipped: why (a requirement, a rule, or pruned after an OOM)"),
+    ("error", "str", "for error/timeout/host_oom: the tail of the exception or of the worker's log"),
+    ("wall_s", "float", "wall time of the cell's process, start to exit, s"),
+    ("build_allocated_gib", "float", "allocated after building the model and applying the stack (weights footprint), GiB"),
+    ("weights_gib", "float", "bytes of all parameters, GiB"),
+    ("grads_gib", "float", "bytes of the gradients of trainable parameters (same dtype as each), GiB"),
+    ("optimizer_state_gib", "float", "bytes of optimizer state tensors after the first step, GiB"),
+    ("peak_allocated_gib", "float", "overall peak of allocated (live tensor) bytes, build to last step, GiB"),
+    ("peak_reserved_gib", "float", "overall peak of bytes reserved by the caching allocator: what must fit, GiB"),
+    ("peak_active_gib", "float", "overall peak of active allocator blocks, GiB"),
+    ("steady_peak_allocated_gib", "float", "peak allocated during the measured steps only, GiB"),
+    ("steady_peak_reserved_gib", "float", "peak reserved during the measured steps only, GiB"),
+    ("steady_peak_active_gib", "float", "peak active during the measured steps only, GiB"),
+    ("peak_phase", "str", "stage/phase of the overall allocated peak"),
+    ("nvml_peak_gib", "float", "device used memory peak (NVML, 10 ms sampling) minus the used memory before CUDA started, GiB"),
+    ("host_rss_peak_gib", "float", "peak resident memory of the worker process, GiB"),
+    ("alloc_retries", "int", "allocator retries (cudaMalloc failed, cache flushed, retried)"),
+    ("allocator_ooms", "int", "OOMs the allocator raised"),
+    ("tokens_per_step", "int", "batch_size * seq_len"),
+    ("measured_s", "float", "sum of measured step times, s"),
+    ("tokens_per_s", "float", "tokens in measured steps / measured_s"),
+    ("step_ms_p10", "float", "10th percentile of measured step times (CUDA events on GPU), ms"),
+    ("step_ms_p50", "float", "median measured step time, ms"),
+    ("step_ms_p90", "float", "90th percentile of measured step times, ms"),
+    ("step_time_cv", "float", "coefficient of variation of measured step times (stdev / mean)"),
+    ("flops_per_token", "float", "6 * N_matmul + 12 * L * H * head_dim * T (training FLOPs per token)"),
+    ("mfu", "float", "flops_per_token * tokens_per_s / GPU dense bf16 peak (0..1)"),
+    ("total_params", "int", "parameters of the model as trained (adapters included)"),
+    ("trainable_params", "int", "parameters with requires_grad"),
+    ("evidence_json", "str", "what each technique reported when applied (JSON): proof that it applied"),
+    ("losses_json", "str", "the loss of every step, warm-up first (JSON list)"),
+    ("gpu_name", "str", "first visible GPU (NVML)"),
+    ("gpu_count", "int", "visible GPUs"),
+    ("gpu_memory_gib", "float", "total memory of the GPU, GiB"),
+    ("driver", "str", "NVIDIA driver version"),
+    ("cuda", "str", "CUDA version torch was built with"),
+    ("cpu_name", "str", "host CPU model"),
+    ("python", "str", "Python version"),
+    ("torch_version", "str", ""),
+    ("transformers_version", "str", ""),
+    ("peft_version", "str", ""),
+    ("deepspeed_version", "str", ""),
+    ("liger_kernel_version", "str", ""),
+    ("bitsandbytes_version", "str", ""),
+    ("accelerate_version", "str", ""),
+    ("git_sha", "str", "commit of the suite that ran the cell"),
+    ("git_dirty", "bool", "bench/ or matrix.yaml had uncommitted changes"),
+    ("started_at", "str", "UTC time the cell started (ISO 8601)"),
+    ("rerun_cmd", "str", "command that re-runs exactly this cell"),
+)
+COLUMNS = tuple(name for name, _, _ in SCHEMA)
+
+
+def check_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Unknown columns are a bug in the suite; missing ones are filled with None, in schema order."""
+    unknown = set(row) - set(COLUMNS)
+    if unknown:
+        raise KeyError(f"result row has columns outside the schema: {sorted(unknown)}")
+    if row.get("status") not in STATUSES:
+        raise ValueError(f"result row has an invalid status {row.get('status')!r}")
+    return {c: row.get(c) for c in COLUMNS}
+
+
+def write_atomic(path: Path, row: dict[str, Any]) -> None:
+    """A reader (or a resumed run) sees the old file or the whole new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(check_row(row), f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_raw(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """cell_id -> row, for every finished cell of a run."""
+    rows = {}
+    for path in sorted(run_dir.glob("*.json")):
+        row = json.loads(path.read_text())
+        rows[row["cell_id"]] = row
+    return rows
+
+
+def to_frame(rows: list[dict[str, Any]]):
+    import pandas as pd
+
+    frame = pd.DataFrame([check_row(r) for r in rows], columns=list(COLUMNS))
+    dtypes = {"str": "string", "int": "Int64", "float": "Float64", "bool": "boolean"}
+    return frame.astype({name: dtypes[kind] for name, kind, _ in SCHEMA})
+
+
+def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(to_frame(rows), preserve_index=False)
+    meta = {b"bench.schema_version": str(SCHEMA_VERSION).encode(),
+            b"bench.schema": json.dumps(SCHEMA).encode()}
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def read_parquet(path: Path):
+    import pandas as pd
+
+    return pd.read_parquet(path)

@@ -1,0 +1,227 @@
+"""The runner: walks a plan, runs each cell in a fresh worker process, records every outcome.
+
+- One OS process per cell, in its own process group: allocator state, monkey-patches and
+  distributed state never leak between cells, and a timeout kills the whole group.
+- Each finished cell is one JSON file written atomically, so killing the runner (even kill -9)
+  loses at most the cell in flight; a re-run with the same run id skips finished cells.
+- Workers die with the runner (PR_SET_PDEATHSIG), so a killed run leaves nothing on the GPU.
+- After an OOM at batch b, larger batches of the same model/seq/stack are recorded as skipped.
+- With `prefork`, the next cell's worker is started while the current one runs: it imports torch
+  and transformers (seconds) and waits, untouched by CUDA, until its cell is handed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime as dt
+import fnmatch
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from . import results
+from .cells import Cell, PlannedCell
+from .envinfo import REPO
+
+HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
+LOG_TAIL_LINES = 15
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    results_dir: Path
+    run_id: str
+    prune_after_oom: bool = True
+    redo: frozenset[str] = frozenset()  # re-run cells whose recorded status is one of these ("all": any)
+    only: str | None = None  # fnmatch pattern on cell ids
+    prefork: bool = False
+
+
+@dataclass
+class Worker:
+    cell: Cell
+    proc: subprocess.Popen
+    log: IO[bytes]
+
+
+class Progress(Protocol):
+    def start(self, total: int) -> None: ...
+    def cell_started(self, cell: Cell) -> None: ...
+    def cell_finished(self, cell: Cell, row: dict[str, Any]) -> None: ...
+
+
+def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """Runs every cell of the plan not yet finished; returns the run's rows (cell_id -> row)."""
+    raw_dir = opts.results_dir / "raw" / opts.run_id
+    rows = results.read_raw(raw_dir)
+    oom_batch = _oom_batches(rows.values())
+    todo = [pc for pc in planned if _wanted(pc, rows, opts)]
+    progress.start(len(todo))
+    spare: Worker | None = None
+    try:
+        for index, pc in enumerate(todo):
+            cell = pc.cell
+            reason = pc.skip_reason or _pruned(cell, oom_batch, opts)
+            progress.cell_started(cell)
+            if reason:
+                row = _base_row(cell, opts, provenance) | {"status": "skipped", "skip_reason": reason}
+            else:
+                worker = spare if spare is not None and spare.cell == cell else _spawn(cell, raw_dir)
+                if spare is not worker:
+                    _discard(spare)
+                nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
+                spare, row = _finish(worker, opts, provenance, raw_dir, next_cell=nxt)
+            results.write_atomic(raw_dir / f"{cell.cell_id}.json", row)
+            rows[cell.cell_id] = row
+            if row["status"] == "oom":
+                oom_batch[cell.group] = min(cell.batch_size, oom_batch.get(cell.group, cell.batch_size))
+            progress.cell_finished(cell, row)
+    finally:
+        _discard(spare)
+    return rows
+
+
+def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) -> bool:
+    cid = pc.cell.cell_id
+    if opts.only and not fnmatch.fnmatch(cid, opts.only):
+        return False
+    return cid not in rows or rows[cid]["status"] in opts.redo or "all" in opts.redo
+
+
+def _oom_batches(rows: Any) -> dict[tuple[str, int, str], int]:
+    smallest: dict[tuple[str, int, str], int] = {}
+    for r in rows:
+        if r["status"] == "oom":
+            group = (r["model"], r["seq_len"], r["stack"])
+            smallest[group] = min(r["batch_size"], smallest.get(group, r["batch_size"]))
+    return smallest
+
+
+def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str], int], opts: RunOptions) -> str | None:
+    b = oom_batch.get(cell.group)
+    if opts.prune_after_oom and b is not None and cell.batch_size > b:
+        return f"pruned: OOM at batch {b} for this model/seq/stack"
+    return None
+
+
+def _next_runnable(rest: list[PlannedCell], oom_batch: dict, opts: RunOptions) -> Cell | None:
+    for pc in rest:
+        if not pc.skip_reason and not _pruned(pc.cell, oom_batch, opts):
+            return pc.cell
+    return None
+
+
+def _base_row(cell: Cell, opts: RunOptions, provenance: dict[str, Any]) -> dict[str, Any]:
+    c = cell.to_json()
+    return {
+        **provenance,
+        "schema_version": results.SCHEMA_VERSION,
+        "run_id": opts.run_id,
+        **{k: c[k] for k in ("cell_id", "matrix", "model", "seq_len", "batch_size", "stack", "device",
+                             "warmup_steps", "measure_steps", "seed")},
+        "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "rerun_cmd": f"python -m bench run {cell.matrix} --run-id {opts.run_id} --only '{cell.cell_id}' --redo all",
+    }
+
+
+def _cell_env(cell: Cell) -> dict[str, str]:
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
+    }
+    for use in cell.stack.uses:
+        if use.technique.env is not None:
+            env.update(use.technique.env(use.opts))
+    return env
+
+
+def _spawn(cell: Cell, raw_dir: Path) -> Worker:
+    log_path = raw_dir / "logs" / f"{cell.cell_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")  # noqa: SIM115 (closed by _finish / _discard)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.worker"],
+        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, **_cell_env(cell)}, cwd=REPO,
+        start_new_session=True,  # its own process group: a timeout kills it and its children
+        preexec_fn=_die_with_parent,
+    )
+    return Worker(cell, proc, log)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: a killed runner may leave its worker running
+        pass
+
+
+def _discard(worker: Worker | None) -> None:
+    if worker is None:
+        return
+    _kill_group(worker.proc)
+    worker.log.close()
+    Path(worker.log.name).unlink(missing_ok=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _finish(worker: Worker, opts: RunOptions, provenance: dict[str, Any], raw_dir: Path,
+            next_cell: Cell | None) -> tuple[Worker | None, dict[str, Any]]:
+    """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row)."""
+    cell, proc = worker.cell, worker.proc
+    base = _base_row(cell, opts, provenance)
+    out = raw_dir / f".{cell.cell_id}.worker.json"
+    out.unlink(missing_ok=True)
+    started = time.monotonic()
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write((json.dumps({"cell": cell.to_json(), "row": base, "out": str(out)}) + "\n").encode())
+        proc.stdin.close()
+    except BrokenPipeError:  # the worker died while importing: its log says why
+        pass
+    spare = _spawn(next_cell, raw_dir) if next_cell else None  # imports while this cell runs
+    try:
+        proc.wait(timeout=cell.timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        timed_out = True
+    worker.log.close()
+    wall_s = time.monotonic() - started
+    if out.exists():  # the worker's own row wins, even if it hung while exiting
+        row = json.loads(out.read_text())
+        out.unlink()
+    elif timed_out:
+        row = base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n" + _log_tail(worker)}
+    elif proc.returncode in HOST_OOM_CODES:
+        row = base | {"status": "host_oom",
+                      "error": f"worker killed by SIGKILL (exit {proc.returncode}): most likely the kernel's "
+                               f"OOM killer, out of host RAM\n" + _log_tail(worker)}
+    else:
+        row = base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
+    return spare, row | {"wall_s": wall_s}
+
+
+def _log_tail(worker: Worker) -> str:
+    lines = Path(worker.log.name).read_text(errors="replace").strip().splitlines()
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def summarize(rows: dict[str, dict[str, Any]], planned: list[PlannedCell]) -> Counter:
+    ids = {pc.cell.cell_id for pc in planned}
+    return Counter(r["status"] for cid, r in rows.items() if cid in ids)

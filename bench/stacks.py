@@ -1,0 +1,140 @@
+"""Technique stacks: parse `gc + lora(r=8)`, validate it against the rules, order it by phase.
+
+`baseline` is the empty stack: pure bf16 weights, AdamW (fused), sdpa attention, no technique.
+Every problem is a StackError whose message names the technique, option or rule at fault.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .techniques import REGISTRY, Technique
+
+BASELINE = "baseline"
+_TERM = re.compile(r"^\s*([A-Za-z_][\w-]*)\s*(?:\((.*)\))?\s*$")
+
+
+class StackError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Use:
+    """One technique in a stack, with every option resolved (defaults filled in)."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...]
+
+    @property
+    def technique(self) -> Technique:
+        return REGISTRY[self.name]
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def label(self) -> str:
+        """The name, with only the options that differ from their defaults."""
+        defaults = self.technique.options
+        changed = [f"{k}={v}" for k, v in self.options if defaults[k] != v]
+        return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+
+@dataclass(frozen=True)
+class Stack:
+    uses: tuple[Use, ...]  # in application order: by phase, then name
+
+    @property
+    def label(self) -> str:
+        return " + ".join(u.label for u in self.uses) or BASELINE
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.uses)
+
+
+def parse_stack(text: str) -> Stack:
+    terms = [t for t in str(text).split("+")]
+    if [t.strip() for t in terms] == [BASELINE]:
+        return Stack(())
+    uses = [_parse_term(term) for term in terms]
+    seen = [u.name for u in uses]
+    if BASELINE in seen:
+        raise StackError(f"{text!r}: 'baseline' is the empty stack and cannot be combined")
+    duplicates = {n for n in seen if seen.count(n) > 1}
+    if duplicates:
+        raise StackError(f"{text!r}: {', '.join(sorted(duplicates))} appears more than once")
+    stack = Stack(tuple(sorted(uses, key=lambda u: (u.technique.phase, u.name))))
+    _check_rules(stack)
+    return stack
+
+
+def _parse_term(term: str) -> Use:
+    match = _TERM.match(term)
+    if not match:
+        raise StackError(f"cannot read technique {term.strip()!r}: expected name or name(key=value, ...)")
+    name, args = match.group(1), match.group(2)
+    if name == BASELINE:
+        return Use(BASELINE, ())
+    technique = REGISTRY.get(name)
+    if technique is None:
+        raise StackError(f"unknown technique {name!r}{_did_you_mean(name, REGISTRY)}; known: {', '.join(sorted(REGISTRY))}")
+    if technique.test_only and os.environ.get("BENCH_TEST_TECHNIQUES") != "1":
+        raise StackError(f"technique {name!r} is for the suite's own tests (set BENCH_TEST_TECHNIQUES=1)")
+    given = _parse_options(name, args or "")
+    for key, value in given.items():
+        _check_option(technique, key, value)
+    resolved = {**technique.options, **given}
+    return Use(name, tuple(sorted(resolved.items())))
+
+
+def _parse_options(name: str, args: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise StackError(f"{name}: option {part!r} must be written key=value")
+        options[key.strip()] = yaml.safe_load(raw.strip())
+    return options
+
+
+def _check_option(technique: Technique, key: str, value: Any) -> None:
+    name = technique.name
+    if key not in technique.options:
+        known = ", ".join(technique.options) or "none"
+        raise StackError(f"{name}: unknown option {key!r}{_did_you_mean(key, technique.options)}; options: {known}")
+    default = technique.options[key]
+    ok_type = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
+    if not ok_type or (isinstance(value, bool) and not isinstance(default, bool)):
+        raise StackError(f"{name}: option {key}={value!r} should be a {type(default).__name__}")
+    allowed = technique.choices.get(key)
+    if allowed is not None and value not in allowed:
+        raise StackError(f"{name}: option {key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _check_rules(stack: Stack) -> None:
+    names = set(stack.names)
+    slots: dict[str, str] = {}
+    for use in stack.uses:
+        t = use.technique
+        if t.slot and t.slot in slots:
+            raise StackError(f"{slots[t.slot]} and {t.name} both set the {t.slot}: a stack takes one")
+        if t.slot:
+            slots[t.slot] = t.name
+        clash = names.intersection(t.conflicts)
+        if clash:
+            raise StackError(f"{t.name} cannot be combined with {', '.join(sorted(clash))}")
+        if t.needs_one_of and not names.intersection(t.needs_one_of):
+            raise StackError(f"{t.name} needs one of {', '.join(t.needs_one_of)} in the same stack")
+
+
+def _did_you_mean(word: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,57 @@
+"""What a technique is: a small declarative unit the worker applies in phase order.
+
+A technique never runs code at import time of this package; its hooks run in the worker process,
+after the model of one cell is built. Everything else (options, requirements, conflicts) is data
+that the planner checks before any cell runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+Options = Mapping[str, Any]
+Evidence = dict[str, Any]
+
+
+class Phase(IntEnum):
+    """When a technique acts; a stack is applied in this order."""
+
+    ENV = 0  # process environment, set before torch is imported (allocator settings)
+    LOAD = 1  # how the base model is built or loaded (precision, quantized bases)
+    PATCH = 2  # changes inside the model (activation checkpointing, kernels)
+    WRAP = 3  # wrappers around the model (LoRA adapters)
+    OPTIMIZER = 4  # which optimizer and how it is implemented
+    ENGINE = 5  # a training engine that owns the step (DeepSpeed, FSDP)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """How the worker builds and trains one cell; techniques return modified copies of it."""
+
+    param_dtype: str = "bf16"  # dtype of the weights ("pure bf16" unless a technique changes it)
+    autocast_dtype: str | None = None  # forward under torch.autocast in this dtype (mixed precision)
+    attn_implementation: str = "sdpa"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # fused | foreach: pinned, since it moves the peak by GiBs
+    lr: float = 1e-4
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str
+    summary: str  # one line: what it saves and what it costs
+    phase: Phase
+    options: Mapping[str, Any] = field(default_factory=dict)  # name -> default (its type is the option's type)
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # allowed values per option
+    slot: str | None = None  # at most one technique per slot in a stack (one precision, one optimizer)
+    requires_cuda: bool = False
+    packages: tuple[str, ...] = ()  # import names that must be installed
+    conflicts: tuple[str, ...] = ()  # techniques it cannot be stacked with
+    needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these
+    test_only: bool = False  # fault injection: refused unless BENCH_TEST_TECHNIQUES=1
+    env: Callable[[Options], dict[str, str]] | None = None
+    configure: Callable[[TrainSetup, Options], TrainSetup] | None = None
+    apply: Callable[[Any, Options], tuple[Any, Evidence]] | None = None  # (model, opts) -> (model, evidence)

@@ -1,0 +1,45 @@
+"""LoRA adapters (peft): the base weights are frozen, small rank-r adapters are trained.
+
+Saves: gradients and optimizer states of the base model (only the adapters' r x (in + out)
+parameters per targeted layer have them), which for a full AdamW fine-tune is most of the memory.
+Costs: adapter matmuls in forward and backward, and the activations they save; the frozen base
+still runs its full forward and the input-gradient part of backward.
+
+Visible choices (peft's defaults, stated rather than hidden): adapters in fp32
+(`adapter_dtype`), `dropout` (> 0 adds saved activations), targets `all-linear`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Evidence, Options, Phase, Technique
+
+
+def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=opts["r"],
+        lora_alpha=opts["alpha"],
+        lora_dropout=opts["dropout"],
+        target_modules=opts["targets"],
+        task_type="CAUSAL_LM",
+    )
+    # autocast_adapter_dtype=True is peft's default: adapters in fp32 even on a bf16 base
+    model = get_peft_model(model, config, autocast_adapter_dtype=opts["adapter_dtype"] == "fp32")
+    adapted = sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
+    if adapted == 0:
+        raise RuntimeError(f"lora: no layer matched targets={opts['targets']!r}")
+    return model, {"lora_modules": adapted}
+
+
+TECHNIQUE = Technique(
+    name="lora",
+    summary="frozen base + rank-r adapters: no base gradients or optimizer states; adapter compute",
+    phase=Phase.WRAP,
+    options={"r": 16, "alpha": 32, "dropout": 0.0, "targets": "all-linear", "adapter_dtype": "fp32"},
+    choices={"adapter_dtype": ("fp32", "bf16")},
+    packages=("peft",),
+    apply=_apply,
+)

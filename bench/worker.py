@@ -1,0 +1,184 @@
+"""The worker: one process runs one cell and writes its row.
+
+It is started by the runner with the cell's environment already set (allocator settings must be in
+place before torch is imported), imports the heavy libraries, then waits for its cell on stdin;
+so the runner can start the next worker while the current cell runs, hiding the import time.
+Nothing touches CUDA before the cell arrives: the NVML baseline is read first.
+
+Protocol: one JSON line on stdin, {"cell": Cell.to_json(), "row": base row, "out": path}; the
+worker writes the finished row to `out` atomically. EOF on stdin: exit without doing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from . import data, measure, models, results
+from .measure import GIB
+from .techniques import REGISTRY, Technique, TrainSetup
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
+
+
+def main() -> None:
+    import torch  # noqa: F401  (the slow imports happen here, before the cell is handed over)
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    request = json.loads(line)
+    row = {**request["row"], **run_cell(request["cell"])}
+    results.write_atomic(Path(request["out"]), row)
+
+
+def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """Runs the cell; always returns the measured columns, with a status, never raises."""
+    import torch
+
+    cuda = cell["device"] == "cuda"
+    sampler = measure.start_nvml_sampler() if cuda else None  # baseline before CUDA starts
+    tracker = measure.PhaseTracker(cuda)
+    out: dict[str, Any] = {}
+    try:
+        out.update(_train(cell, tracker, out))
+        out["status"] = "ok"
+    except Exception as err:  # every failure becomes the row's status, never a lost cell
+        is_oom = isinstance(err, torch.OutOfMemoryError) or any(m in str(err) for m in OOM_MARKERS)
+        out.update(status="oom" if is_oom else "error", error=_tail(err))
+        if is_oom:
+            out["oom_phase"] = tracker.where
+    tracker.close()
+    out.update(tracker.summary())
+    if cuda:
+        stats = torch.cuda.memory_stats()
+        out.update(alloc_retries=stats.get("num_alloc_retries", 0), allocator_ooms=stats.get("num_ooms", 0))
+    if sampler is not None:
+        out["nvml_peak_gib"] = sampler.stop()
+    out["host_rss_peak_gib"] = measure.host_rss_peak_gib()
+    return out
+
+
+def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, Any]) -> dict[str, Any]:
+    """Build, apply the stack, then warm-up and measured steps. Fills `out` as it goes, so an
+    OOM row still carries what was known before it (weights, evidence)."""
+    import torch
+
+    uses = [(REGISTRY[name], opts) for name, opts in cell["stack_uses"]]
+    setup = _setup(uses)
+    model = _build(cell, setup)
+    out["flops_per_token"] = measure.flops_per_token(model, cell["seq_len"])
+    evidence: dict[str, Any] = {}
+    for technique, opts in uses:
+        if technique.apply is not None:
+            model, found = technique.apply(model, opts)
+            evidence.update(found)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    out.update(
+        evidence_json=json.dumps(evidence, sort_keys=True),
+        total_params=sum(p.numel() for p in model.parameters()),
+        trainable_params=sum(p.numel() for p in trainable),
+        weights_gib=measure.tensor_gib(model.parameters()),
+        grads_gib=measure.tensor_gib(trainable),
+        build_allocated_gib=torch.cuda.memory_allocated() / GIB if cell["device"] == "cuda" else None,
+    )
+    optimizer = _optimizer(trainable, setup)
+    steps = cell["warmup_steps"] + cell["measure_steps"]
+    batches = data.token_batches(model.config.vocab_size, cell["batch_size"], cell["seq_len"], steps,
+                                 cell["seed"], cell["device"])
+    losses, step_s = _loop(model, optimizer, batches, setup, tracker, cell)
+    out["optimizer_state_gib"] = measure.tensor_gib(
+        t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    tokens_per_step = cell["batch_size"] * cell["seq_len"]
+    measured_s = sum(step_s)
+    return {
+        "losses_json": json.dumps([round(x, 6) for x in losses]),
+        "tokens_per_step": tokens_per_step,
+        "measured_s": measured_s,
+        "tokens_per_s": tokens_per_step * len(step_s) / measured_s,
+        **measure.step_time_stats(step_s),
+    }
+
+
+def _setup(uses: list[tuple[Technique, dict[str, Any]]]) -> TrainSetup:
+    setup = TrainSetup()
+    for technique, opts in uses:
+        if technique.configure is not None:
+            setup = technique.configure(setup, opts)
+    return setup
+
+
+def _build(cell: dict[str, Any], setup: TrainSetup) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = models.hf_config(models.get(cell["model"]), setup.attn_implementation)
+    config.use_cache = False  # a training forward must not build a KV cache
+    torch.manual_seed(cell["seed"])
+    with torch.device(cell["device"]):  # random init directly on the device: no host copy
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPES[setup.param_dtype]))
+    return model.train()  # dropout and checkpointing act only in train mode
+
+
+def _optimizer(params: list[Any], setup: TrainSetup) -> Any:
+    import torch
+
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}[setup.optimizer_impl]
+    return torch.optim.AdamW(params, lr=setup.lr, **impl)
+
+
+def _loop(model: Any, optimizer: Any, batches: list[Any], setup: TrainSetup, tracker: measure.PhaseTracker,
+          cell: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """All steps; the first is the 'first_step' stage (lazy optimizer state), then warm-up, then
+    the measured ones, timed with CUDA events on the GPU (host clock on the CPU)."""
+    import torch
+
+    cuda = cell["device"] == "cuda"
+    autocast = (torch.autocast(cell["device"], dtype=getattr(torch, DTYPES[setup.autocast_dtype]))
+                if setup.autocast_dtype else contextlib.nullcontext())
+    losses, timings = [], []
+    for i, tokens in enumerate(batches):
+        stage = "first_step" if i == 0 else "warmup" if i < cell["warmup_steps"] else "measure"
+        start = _mark(cuda)
+        tracker.enter(f"{stage}/forward")
+        with autocast:
+            loss = model(input_ids=tokens, labels=tokens).loss
+        tracker.enter(f"{stage}/backward")
+        loss.backward()
+        tracker.enter(f"{stage}/optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if stage == "measure":
+            timings.append((start, _mark(cuda)))
+        losses.append(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+    step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]
+    return [float(x) for x in losses], step_s
+
+
+def _mark(cuda: bool) -> Any:
+    if not cuda:
+        return time.perf_counter()
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _tail(err: BaseException, lines: int = 12) -> str:
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+if __name__ == "__main__":
+    main()
