@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its newest run")
     rep.add_argument("matrix")
+    rep.add_argument("--run-id", help="re-collect this run's raw rows (results/raw/RUN_ID) into its parquet first")
     rep.set_defaults(func=cmd_report)
 
     env = sub.add_parser("env", help="what this machine has, as the suite sees it")
@@ -110,12 +111,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    parquet = report.newest_run(args.results_dir / args.matrix)
+    if args.run_id:
+        parquet = _collect(args.results_dir, args.matrix, args.run_id)
+    else:
+        parquet = report.newest_run(args.results_dir / args.matrix)
     run_id = parquet.stem
     board = report.write_leaderboard(parquet, args.results_dir / args.matrix / "LEADERBOARD.md",
                                      _command(args.matrix, run_id))
     print(f"leaderboard: {board} (from {parquet})")
     return 0
+
+
+def _collect(results_dir: Path, matrix: str, run_id: str) -> Path:
+    """Raw rows of a run (e.g. copied back from a GPU host) -> its parquet table."""
+    raw_dir = results_dir / "raw" / run_id
+    rows = [r for r in results.read_raw(raw_dir).values() if r.get("matrix") == matrix]
+    if not rows:
+        raise spec.SpecError(f"no rows of matrix {matrix!r} under {raw_dir}")
+    parquet = results_dir / matrix / "runs" / f"{run_id}.parquet"
+    results.write_parquet(rows, parquet)
+    return parquet
 
 
 def cmd_env(args: argparse.Namespace) -> int:

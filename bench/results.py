@@ -120,10 +120,24 @@ def read_raw(run_dir: Path) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    """Columns computed from others at collection time, so old raw rows gain them too.
+
+    MFU needs the GPU's peak rate, known from the GPU name the runner recorded (not the worker).
+    """
+    from .measure import peak_bf16_flops
+
+    row = dict(row)
+    peak_flops = peak_bf16_flops(row.get("gpu_name")) if row.get("device") == "cuda" else None
+    if row.get("mfu") is None and peak_flops and row.get("tokens_per_s") and row.get("flops_per_token"):
+        row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak_flops
+    return row
+
+
 def to_frame(rows: list[dict[str, Any]]):
     import pandas as pd
 
-    frame = pd.DataFrame([check_row(r) for r in rows], columns=list(COLUMNS))
+    frame = pd.DataFrame([check_row(derive(r)) for r in rows], columns=list(COLUMNS))
     dtypes = {"str": "string", "int": "Int64", "float": "Float64", "bool": "boolean"}
     return frame.astype({name: dtypes[kind] for name, kind, _ in SCHEMA})
 

@@ -160,10 +160,9 @@ def _spawn(cell: Cell, raw_dir: Path) -> Worker:
 
 
 def _die_with_parent() -> None:
-    try:
+    # Not Linux (no libc.so.6): a killed runner may leave its worker running.
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: a killed runner may leave its worker running
-        pass
 
 
 def _discard(worker: Worker | None) -> None:

@@ -131,7 +131,7 @@ def _build(cell: dict[str, Any], setup: TrainSetup) -> Any:
 def _optimizer(params: list[Any], setup: TrainSetup) -> Any:
     import torch
 
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}[setup.optimizer_impl]
+    impl: dict[str, Any] = {"fused": {"fused": True}, "foreach": {"foreach": True}}[setup.optimizer_impl]
     return torch.optim.AdamW(params, lr=setup.lr, **impl)
 
 

@@ -1,0 +1,76 @@
+"""Cell expansion, stable ids, and plan-time skip reasons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import cells, cli, spec
+from bench.envinfo import HostCaps
+from conftest import write_matrix
+
+REPO_MATRIX = Path(__file__).resolve().parents[1] / "matrix.yaml"
+CPU_HOST = HostCaps(cuda_devices=0, packages=frozenset())
+GPU_HOST = HostCaps(cuda_devices=1, packages=frozenset({"peft"}))
+
+
+def test_cell_ids_are_pinned() -> None:
+    """Changing what an id hashes would orphan every published result: do it on purpose only."""
+    smoke = cells.expand(spec.get(REPO_MATRIX, "smoke"), CPU_HOST)
+    assert smoke[0].cell_id == "tiny-llama_s256_b1_baseline_214f1a91"
+    assert smoke[-1].cell_id == "tiny-mistral_s256_b4_gc+lora_418ed928"
+    assert len({c.cell_id for c in smoke}) == len(smoke) == 3 * 2 * 5
+
+
+def test_ids_depend_on_settings_not_on_spelling(tmp_path: Path) -> None:
+    body = """
+    matrices:
+      a: {device: cpu, models: [tiny-llama], seq_lens: [32], batch_sizes: [1], stacks: ["%s"]}
+    """
+    ids = []
+    for stack in ("lora(r=8) + gc", "gc+lora(r=8)", "gc + lora(r=16)", "gc + lora"):
+        write_matrix(tmp_path, body % stack)
+        ids.append(cells.expand(spec.get(tmp_path / "matrix.yaml", "a"), CPU_HOST)[0].cell_id)
+    assert ids[0] == ids[1]
+    assert ids[1] != ids[2]
+    assert ids[2] == ids[3]  # r=16 is lora's default: the resolved options are hashed
+
+
+def test_gpu_matrix_on_cpu_host_is_planned_as_skipped() -> None:
+    planned = cells.plan(spec.get(REPO_MATRIX, "llama3b"), CPU_HOST)
+    assert len(planned) == 3 * 4 * 5
+    assert all(pc.skip_reason and "CUDA" in pc.skip_reason for pc in planned)
+    assert all(pc.skip_reason is None for pc in cells.plan(spec.get(REPO_MATRIX, "llama3b"), GPU_HOST))
+
+
+def test_exclude_rules_skip_with_their_name(tmp_path: Path) -> None:
+    write_matrix(tmp_path, """
+    matrices:
+      a:
+        device: cpu
+        models: [tiny-llama]
+        seq_lens: [32, 64]
+        batch_sizes: [1]
+        stacks: [baseline]
+        exclude: [{seq_len: 64}]
+    """)
+    planned = cells.plan(spec.get(tmp_path / "matrix.yaml", "a"), CPU_HOST)
+    assert [pc.skip_reason for pc in planned] == [None, "excluded by a.exclude[0]"]
+
+
+def test_gpu_only_matrix_says_so_and_points_to_runnable_ones(capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert cli.main(["run", "llama3b"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "MATRIX=smoke" in err
+
+
+def test_list_prints_every_cell_with_its_skip_reason(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["list", "llama3b"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.2-3b_s4096_b8_gc+lora_" in out
+    assert out.count("\n  ") == 60

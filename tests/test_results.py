@@ -1,0 +1,52 @@
+"""The result schema: rows are checked, parquet carries its schema, derived columns are right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench import measure, results
+
+
+def _row(**extra: object) -> dict:
+    return {"schema_version": results.SCHEMA_VERSION, "run_id": "r", "cell_id": "c", "status": "ok", **extra}
+
+
+def test_rows_outside_the_schema_are_a_bug() -> None:
+    with pytest.raises(KeyError, match="peak_gb"):
+        results.check_row(_row(peak_gb=1.0))
+    with pytest.raises(ValueError, match="crashed"):
+        results.check_row(_row(status="crashed"))
+    assert list(results.check_row(_row())) == list(results.COLUMNS)
+
+
+def test_every_memory_column_names_its_unit() -> None:
+    for name, _, definition in results.SCHEMA:
+        if "peak" in name and "phase" not in name:
+            assert name.endswith("_gib") and "GiB" in definition, name
+
+
+def test_parquet_carries_schema_version_and_definitions(tmp_path: Path) -> None:
+    path = tmp_path / "run.parquet"
+    results.write_parquet([_row(device="cpu", tokens_per_s=10.0)], path)
+    meta = pq.read_schema(path).metadata
+    assert meta[b"bench.schema_version"] == str(results.SCHEMA_VERSION).encode()
+    assert b"peak_reserved_gib" in meta[b"bench.schema"]
+    assert pq.read_table(path).column_names == list(results.COLUMNS)
+
+
+def test_mfu_is_derived_from_the_gpu_name() -> None:
+    row = _row(device="cuda", gpu_name="NVIDIA H100 80GB HBM3", tokens_per_s=10_000.0, flops_per_token=2e10)
+    assert results.derive(row)["mfu"] == pytest.approx(2e14 / 989e12)
+    assert results.derive({**row, "gpu_name": "NVIDIA H100 PCIe"})["mfu"] == pytest.approx(2e14 / 756e12)
+    assert results.derive({**row, "gpu_name": "Some Future GPU"}).get("mfu") is None
+    assert results.derive({**row, "device": "cpu"}).get("mfu") is None
+
+
+def test_step_time_stats() -> None:
+    stats = measure.step_time_stats([0.1, 0.1, 0.1, 0.1])
+    assert stats["step_ms_p50"] == pytest.approx(100.0) and stats["step_time_cv"] == pytest.approx(0.0)
+    spread = measure.step_time_stats([0.1, 0.2, 0.3])
+    assert spread["step_ms_p10"] < spread["step_ms_p50"] < spread["step_ms_p90"]

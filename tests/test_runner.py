@@ -1,0 +1,150 @@
+"""The runner end to end on the CPU: real tiny training runs, in worker processes, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import REPO, bench_args, raw_rows, run_bench, write_matrix
+
+pytestmark = pytest.mark.timeout(900)
+
+TINY = """
+matrices:
+  tiny:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1, 2]
+    stacks: [baseline, gc, lora, mixed]
+    steps: {warmup: 2, measure: 3}
+    timeout_s: 120
+"""
+
+
+def test_tiny_matrix_end_to_end_then_resume_runs_nothing(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    first = run_bench(workdir, "run", "tiny", "--run-id", "t1", "--prefork", "on")
+    assert first.returncode == 0, first.stdout + first.stderr
+    rows = raw_rows(workdir, "t1")
+    assert len(rows) == 8
+    assert {r["status"] for r in rows.values()} == {"ok"}, [r["error"] for r in rows.values()]
+
+    table = pd.read_parquet(workdir / "results" / "tiny" / "runs" / "t1.parquet")
+    assert len(table) == 8 and (table.tokens_per_s > 0).all() and (table.host_rss_peak_gib > 0).all()
+    board = (workdir / "results" / "tiny" / "LEADERBOARD.md").read_text()
+    assert "## tiny-llama · seq 32" in board and "`gc + lora`" not in board and "`lora`" in board
+    assert "python -m bench run tiny --run-id t1" in board
+
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (workdir / "results" / "raw" / "t1").glob("*.json")}
+    again = run_bench(workdir, "run", "tiny", "--run-id", "t1")
+    assert again.returncode == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (workdir / "results" / "raw" / "t1").glob("*.json")} == mtimes
+    assert "done: 8 ok" in again.stdout
+
+
+def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path) -> None:
+    """gc recomputes the same math: same losses as baseline. LoRA trains a small fraction."""
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]"))
+    proc = run_bench(workdir, "run", "tiny", "--run-id", "t2", "--prefork", "on")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_stack = {r["stack"]: r for r in raw_rows(workdir, "t2").values()}
+    losses = {s: json.loads(r["losses_json"]) for s, r in by_stack.items()}
+    assert len(losses["baseline"]) == 5
+    assert losses["gc"] == pytest.approx(losses["baseline"], rel=1e-2)
+    assert json.loads(by_stack["gc"]["evidence_json"])["gc_modules"] > 0
+    assert json.loads(by_stack["lora"]["evidence_json"])["lora_modules"] > 0
+    lora = by_stack["lora"]
+    assert 0 < lora["trainable_params"] < 0.5 * lora["total_params"]
+    assert by_stack["baseline"]["trainable_params"] == by_stack["baseline"]["total_params"]
+    assert by_stack["mixed"]["weights_gib"] == pytest.approx(2 * by_stack["baseline"]["weights_gib"])
+
+
+FAULTS = """
+matrices:
+  faults:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1, 2]
+    stacks: [fault(mode=raise), fault(mode=oom), fault(mode=exit137), fault(mode=sigkill), fault(mode=hang)]
+    exclude: [{batch_size: 2, stack: fault}, {batch_size: 2, stack: fault(mode=exit137)},
+              {batch_size: 2, stack: fault(mode=sigkill)}, {batch_size: 2, stack: fault(mode=hang)}]
+    steps: {warmup: 1, measure: 1}
+    timeout_s: 30
+"""
+
+
+def test_every_failure_becomes_its_row(workdir: Path) -> None:
+    write_matrix(workdir, FAULTS)
+    proc = run_bench(workdir, "run", "faults", "--run-id", "f")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # an error cell makes the run exit 1
+    rows = {(r["stack"], r["batch_size"]): r for r in raw_rows(workdir, "f").values()}
+    assert len(rows) == 10
+
+    raised = rows[("fault", 1)]
+    assert raised["status"] == "error" and "injected failure" in raised["error"]
+    oom = rows[("fault(mode=oom)", 1)]
+    assert oom["status"] == "oom" and oom["oom_phase"] == "first_step/forward"
+    assert rows[("fault(mode=oom)", 2)]["skip_reason"] == "pruned: OOM at batch 1 for this model/seq/stack"
+    for mode in ("exit137", "sigkill"):
+        assert rows[(f"fault(mode={mode})", 1)]["status"] == "host_oom"
+    hang = rows[("fault(mode=hang)", 1)]
+    assert hang["status"] == "timeout" and 30 <= hang["wall_s"] < 60
+    assert rows[("fault(mode=hang)", 2)]["skip_reason"] == "excluded by faults.exclude[3]"
+    board = (workdir / "results" / "faults" / "LEADERBOARD.md").read_text()
+    assert "OOM (first_step/forward)" in board and "host_oom" in board and "timeout" in board
+
+
+def test_no_prune_runs_larger_batches_after_an_oom(workdir: Path) -> None:
+    write_matrix(workdir, FAULTS.replace("fault(mode=raise), ", "").replace("exclude: [{batch_size: 2, stack: fault},",
+                                                                            "exclude: ["))
+    proc = run_bench(workdir, "run", "faults", "--run-id", "np", "--no-prune", "--only", "*fault-mode-oom*")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(r["status"] for r in raw_rows(workdir, "np").values()) == ["oom", "oom"]
+
+
+def test_killed_runner_loses_at_most_the_cell_in_flight(workdir: Path) -> None:
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [1, 2, 4]").replace(
+        "[baseline, gc, lora, mixed]", "[baseline, gc]"))
+    raw = workdir / "results" / "raw" / "k"
+    runner = subprocess.Popen(bench_args(workdir, "run", "tiny", "--run-id", "k"), cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(list(raw.glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(runner.pid, signal.SIGKILL)  # the runner only: its worker must die with it
+    runner.wait()
+    finished = {p.name: p.read_bytes() for p in raw.glob("*.json")}
+    assert 2 <= len(finished) < 6
+
+    time.sleep(1)
+    assert not _workers_of(workdir), "a worker outlived its killed runner"
+    resumed = run_bench(workdir, "run", "tiny", "--run-id", "k")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = {p.name: p.read_bytes() for p in raw.glob("*.json")}
+    assert len(after) == 6 and all(after[name] == data for name, data in finished.items())
+    assert {json.loads(d)["status"] for d in after.values()} == {"ok"}
+
+
+def _workers_of(workdir: Path) -> list[int]:
+    """Worker processes still alive whose log sits under this test's results dir."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue
+        if b"bench.worker" in cmdline and any(str(workdir) in fd for fd in fds):
+            alive.append(int(proc.name))
+    return alive
