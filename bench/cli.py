@@ -3,9 +3,10 @@
     python -m bench list MATRIX       the plan: every cell, and why a cell will be skipped
     python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
+    python -m bench compare BASE CAND  per-cell deltas of two runs (parquet or run id); exit 1 on a regression
     python -m bench env               what this machine has (GPU, libraries) as the suite sees it
 
-Exit codes: 0 done; 1 some cell ended in error; 2 bad input (matrix.yaml, a stack) or nothing runnable.
+Exit codes: 0 done; 1 some cell ended in error (compare: a regression); 2 bad input (matrix.yaml, a stack) or nothing runnable.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cells, envinfo, report, results, runner, spec
+from . import cells, compare, envinfo, report, results, runner, spec
 from .progress import RichProgress
 from .stacks import StackError
 
@@ -59,6 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("matrix")
     rep.add_argument("--run-id", help="re-collect this run's raw rows (results/raw/RUN_ID) into its parquet first")
     rep.set_defaults(func=cmd_report)
+
+    cmp = sub.add_parser("compare", help="baseline run vs candidate run: deltas, exit 1 on a regression")
+    cmp.add_argument("baseline", help="parquet file or run id")
+    cmp.add_argument("candidate", help="parquet file or run id")
+    cmp.add_argument("--out", type=Path, help="also write the markdown report here")
+    gate = compare.Gate()
+    cmp.add_argument("--mem-rel", type=float, default=gate.mem_rel, help="allowed peak growth, fraction")
+    cmp.add_argument("--mem-abs-gib", type=float, default=gate.mem_abs_gib, help="allowed peak growth, GiB")
+    cmp.add_argument("--tps-z", type=float, default=gate.tps_z, help="tokens/s band in standard errors")
+    cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
+    cmp.set_defaults(func=cmd_compare)
 
     env = sub.add_parser("env", help="what this machine has, as the suite sees it")
     env.set_defaults(func=cmd_env)
@@ -131,6 +143,22 @@ def _collect(results_dir: Path, matrix: str, run_id: str) -> Path:
     parquet = results_dir / matrix / "runs" / f"{run_id}.parquet"
     results.write_parquet(rows, parquet)
     return parquet
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    try:
+        base, cand = (results.read_parquet(compare.resolve(ref, args.results_dir))
+                      for ref in (args.baseline, args.candidate))
+    except FileNotFoundError as err:
+        raise spec.SpecError(str(err)) from err
+    gate = compare.Gate(args.mem_rel, args.mem_abs_gib, args.tps_z, args.tps_floor)
+    diffs = compare.compare(base, cand, gate)
+    text = compare.markdown(diffs, base, cand, gate)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 1 if any(d.verdict == "regression" for d in diffs) else 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:

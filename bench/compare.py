@@ -1,0 +1,169 @@
+"""Baseline run vs candidate run (e.g. a new torch or transformers): per-cell deltas and a verdict.
+
+Cells are joined on `cell_id`, which hashes every setting of a cell but no library version, so the
+same cell run under two version sets pairs up.
+
+- Memory is close to deterministic: a cell regresses when its peak grows by more than
+  max(mem_rel x baseline peak, mem_abs_gib) (default: 2% or 0.25 GiB = 256 MiB, whichever is larger).
+- Throughput is noisy: the band is derived from the measured spread, not a bare percentage. Each
+  side's relative standard error of mean step time is cv / sqrt(measured steps); a drop regresses
+  when it exceeds z (default 3) x their root-sum-square, and never less than tps_floor (default 3%),
+  because run-to-run drift (clocks, other tenants) exceeds what one run's step spread shows.
+- Status: ok -> anything else is a regression; anything else -> ok is an improvement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .report import memory_column
+
+
+@dataclass(frozen=True)
+class Gate:
+    mem_rel: float = 0.02
+    mem_abs_gib: float = 0.25
+    tps_z: float = 3.0
+    tps_floor: float = 0.03
+
+
+@dataclass(frozen=True)
+class CellDiff:
+    cell_id: str
+    base_status: str
+    cand_status: str
+    base_peak_gib: float | None
+    cand_peak_gib: float | None
+    base_tokens_per_s: float | None
+    cand_tokens_per_s: float | None
+    tps_band: float | None  # relative drop allowed for this cell
+    verdict: str  # regression | improvement | same | missing
+    why: str
+
+
+def resolve(ref: str, results_dir: Path) -> Path:
+    """A parquet path, or a run id found under results_dir/*/runs/."""
+    path = Path(ref)
+    if path.suffix == ".parquet":
+        if not path.exists():
+            raise FileNotFoundError(f"no such parquet file: {path}")
+        return path
+    found = sorted(results_dir.glob(f"*/runs/{ref}.parquet"))
+    if not found:
+        raise FileNotFoundError(f"run {ref!r}: no {results_dir}/*/runs/{ref}.parquet")
+    return found[0]
+
+
+def compare(base: pd.DataFrame, cand: pd.DataFrame, gate: Gate = Gate()) -> list[CellDiff]:
+    mem_col, _ = memory_column(base)  # the leaderboard's "peak": reserved on GPU, host RSS on CPU
+    cand_by_id = {r["cell_id"]: r for r in cand.to_dict("records")}
+    return [_diff(b, cand_by_id.get(b["cell_id"]), mem_col, gate) for b in base.to_dict("records")]
+
+
+def _diff(b: dict[str, Any], c: dict[str, Any] | None, mem_col: str, gate: Gate) -> CellDiff:
+    if c is None:
+        return CellDiff(b["cell_id"], b["status"], "", _val(b, mem_col), None, _val(b, "tokens_per_s"), None, None,
+                        "missing", "not in the candidate run")
+    diff = CellDiff(b["cell_id"], b["status"], c["status"], _val(b, mem_col), _val(c, mem_col),
+                    _val(b, "tokens_per_s"), _val(c, "tokens_per_s"), _tps_band(b, c, gate), "same", "")
+    if b["status"] == "ok" and c["status"] != "ok":
+        return _with(diff, "regression", f"was ok, now {c['status']}{_phase(c)}")
+    if b["status"] != "ok" and c["status"] == "ok":
+        return _with(diff, "improvement", f"was {b['status']}, now ok")
+    if b["status"] != "ok":
+        return diff
+    reasons = _memory_reasons(diff, gate) + _speed_reasons(diff)
+    bad = [why for kind, why in reasons if kind == "regression"]
+    good = [why for kind, why in reasons if kind == "improvement"]
+    if bad:
+        return _with(diff, "regression", "; ".join(bad))
+    return _with(diff, "improvement", "; ".join(good)) if good else diff
+
+
+def _memory_reasons(d: CellDiff, gate: Gate) -> list[tuple[str, str]]:
+    if d.base_peak_gib is None or d.cand_peak_gib is None:
+        return []
+    delta = d.cand_peak_gib - d.base_peak_gib
+    allowed = max(gate.mem_rel * d.base_peak_gib, gate.mem_abs_gib)
+    text = f"peak {delta:+.2f} GiB ({delta / d.base_peak_gib:+.1%}; allowed ±{allowed:.2f})"
+    if delta > allowed:
+        return [("regression", text)]
+    return [("improvement", text)] if -delta > allowed else []
+
+
+def _speed_reasons(d: CellDiff) -> list[tuple[str, str]]:
+    if not d.base_tokens_per_s or not d.cand_tokens_per_s or d.tps_band is None:
+        return []
+    change = d.cand_tokens_per_s / d.base_tokens_per_s - 1
+    text = f"tokens/s {change:+.1%} (noise band ±{d.tps_band:.1%})"
+    if change < -d.tps_band:
+        return [("regression", text)]
+    return [("improvement", text)] if change > d.tps_band else []
+
+
+def _tps_band(b: dict[str, Any], c: dict[str, Any], gate: Gate) -> float | None:
+    errors = []
+    for r in (b, c):
+        cv, n = _val(r, "step_time_cv"), _val(r, "measure_steps")
+        if cv is None or not n:
+            return None
+        errors.append(cv / math.sqrt(n))
+    return max(gate.tps_floor, gate.tps_z * math.hypot(*errors))
+
+
+def _with(d: CellDiff, verdict: str, why: str) -> CellDiff:
+    return CellDiff(**{**d.__dict__, "verdict": verdict, "why": why})
+
+
+def _val(row: dict[str, Any], col: str) -> Any:
+    v = row.get(col)
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA else v
+
+
+def _phase(row: dict[str, Any]) -> str:
+    return f" ({row['oom_phase']})" if _val(row, "oom_phase") else ""
+
+
+def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate: Gate) -> str:
+    """A report readable in a pull request: verdict, what changed between the runs, then per cell."""
+    counts = {v: sum(d.verdict == v for d in diffs) for v in ("regression", "improvement", "same", "missing")}
+    verdict = "FAIL" if counts["regression"] else "PASS"
+    lines = [f"# Regression check: {verdict}", "",
+             f"{counts['regression']} regressed, {counts['improvement']} improved, {counts['same']} unchanged, "
+             f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: peak +max({gate.mem_rel:.0%}, "
+             f"{gate.mem_abs_gib} GiB); tokens/s -max({gate.tps_floor:.0%}, {gate.tps_z:g}σ of the step-time spread).",
+             "", *_versions(base, cand), "",
+             "| cell | verdict | status | peak GiB | tokens/s | why |", "|---|---|---|---|---|---|"]
+    order = {"regression": 0, "improvement": 1, "missing": 2, "same": 3}
+    for d in sorted(diffs, key=lambda d: (order[d.verdict], d.cell_id)):
+        status = d.base_status if d.base_status == d.cand_status else f"{d.base_status} → {d.cand_status or '—'}"
+        lines.append(f"| `{d.cell_id}` | {d.verdict} | {status} | {_pair(d.base_peak_gib, d.cand_peak_gib, '.2f')} | "
+                     f"{_pair(d.base_tokens_per_s, d.cand_tokens_per_s, '.0f')} | {d.why} |")
+    return "\n".join(lines) + "\n"
+
+
+def _versions(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]:
+    cols = ["run_id", "gpu_name", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
+            "liger_kernel_version", "bitsandbytes_version", "git_sha"]
+    rows = ["| | baseline | candidate |", "|---|---|---|"]
+    for col in cols:
+        b, c = _first(base, col), _first(cand, col)
+        if b or c:
+            rows.append(f"| {col} | {b}{' **≠**' if b != c else ''} | {c} |")
+    return rows
+
+
+def _first(frame: pd.DataFrame, col: str) -> str:
+    values = frame[col].dropna().unique() if col in frame else []
+    return ", ".join(map(str, values[:2])) if len(values) else ""
+
+
+def _pair(b: float | None, c: float | None, fmt: str) -> str:
+    if b is None and c is None:
+        return ""
+    return f"{'—' if b is None else format(b, fmt)} → {'—' if c is None else format(c, fmt)}"

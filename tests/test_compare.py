@@ -1,0 +1,93 @@
+"""`bench compare`: the regression gate, on the committed llama3b H100 run and altered copies of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench import cli, compare
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = REPO / "results" / "llama3b" / "runs" / "llama3b-h100-20261122.parquet"
+CELL = "llama-3.2-3b_s2048_b2_baseline_f57da4d7"
+
+
+@pytest.fixture
+def base() -> pd.DataFrame:
+    return pd.read_parquet(RUN)
+
+
+def _gate(tmp_path: Path, base: pd.DataFrame, cand: pd.DataFrame, *flags: str) -> tuple[int, str]:
+    base.to_parquet(tmp_path / "base.parquet")
+    cand.to_parquet(tmp_path / "cand.parquet")
+    out = tmp_path / "report.md"
+    code = cli.main(["compare", str(tmp_path / "base.parquet"), str(tmp_path / "cand.parquet"), "--out", str(out), *flags])
+    return code, out.read_text()
+
+
+def _alter(frame: pd.DataFrame, cell_id: str, **values: object) -> pd.DataFrame:
+    frame = frame.copy()
+    for col, value in values.items():
+        frame.loc[frame.cell_id == cell_id, col] = value
+    return frame
+
+
+def test_identical_runs_pass(tmp_path: Path, base: pd.DataFrame) -> None:
+    code, report = _gate(tmp_path, base, base)
+    assert code == 0
+    assert report.startswith("# Regression check: PASS") and "0 regressed" in report
+
+
+def test_memory_regression_fails_and_names_the_cell(tmp_path: Path, base: pd.DataFrame) -> None:
+    peak = base.loc[base.cell_id == CELL, "peak_reserved_gib"].item()
+    code, report = _gate(tmp_path, base, _alter(base, CELL, peak_reserved_gib=peak * 1.05))
+    assert code == 1 and "FAIL" in report
+    line = next(x for x in report.splitlines() if CELL in x)
+    assert "| regression |" in line and "+5.0%" in line
+
+
+def test_memory_within_the_gate_passes(tmp_path: Path, base: pd.DataFrame) -> None:
+    peak = base.loc[base.cell_id == CELL, "peak_reserved_gib"].item()
+    assert _gate(tmp_path, base, _alter(base, CELL, peak_reserved_gib=peak + 0.2))[0] == 0
+    assert _gate(tmp_path, base, _alter(base, CELL, peak_reserved_gib=peak + 0.2), "--mem-abs-gib", "0.1",
+                 "--mem-rel", "0.001")[0] == 1
+
+
+def test_throughput_drop_is_judged_against_the_noise_band(tmp_path: Path, base: pd.DataFrame) -> None:
+    row = base.loc[base.cell_id == CELL].iloc[0]
+    band = compare._tps_band(row.to_dict(), row.to_dict(), compare.Gate())
+    assert band is not None and band >= 0.03
+    inside = _alter(base, CELL, tokens_per_s=row.tokens_per_s * (1 - band / 2))
+    outside = _alter(base, CELL, tokens_per_s=row.tokens_per_s * (1 - band * 1.5))
+    assert _gate(tmp_path, base, inside)[0] == 0
+    code, report = _gate(tmp_path, base, outside)
+    assert code == 1 and "tokens/s -" in report and "noise band" in report
+
+
+def test_ok_to_oom_is_a_regression_and_oom_to_ok_an_improvement(tmp_path: Path, base: pd.DataFrame) -> None:
+    code, report = _gate(tmp_path, base, _alter(base, CELL, status="oom", oom_phase="first_step/forward",
+                                                 peak_reserved_gib=None, tokens_per_s=None))
+    assert code == 1
+    assert "was ok, now oom (first_step/forward)" in report and "ok → oom" in report
+    oom_cell = base.loc[base.status == "oom", "cell_id"].iloc[0]
+    code, report = _gate(tmp_path, base, _alter(base, oom_cell, status="ok", peak_reserved_gib=70.0, tokens_per_s=1e4))
+    assert code == 0 and "1 improved" in report
+
+
+def test_a_cell_missing_from_the_candidate_is_reported_not_failed(tmp_path: Path, base: pd.DataFrame) -> None:
+    code, report = _gate(tmp_path, base, base[base.cell_id != CELL])
+    assert code == 0 and "1 missing" in report
+
+
+def test_versions_that_differ_are_flagged(tmp_path: Path, base: pd.DataFrame) -> None:
+    cand = base.copy()
+    cand["transformers_version"] = "5.23.0"
+    report = _gate(tmp_path, base, cand)[1]
+    assert "| transformers_version | 5.17.0 **≠** | 5.23.0 |" in report
+
+
+def test_unknown_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--results-dir", str(tmp_path), "compare", "no-such-run", "other"]) == 2
+    assert "no-such-run" in capsys.readouterr().err
