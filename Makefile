@@ -14,7 +14,7 @@ install:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[dev,plots]"
+	$(VENV)/bin/python -m pip install -q -e ".[dev,plots,bnb]"
 
 bench:
 	$(PY) -m bench run $(MATRIX) $(ARGS)

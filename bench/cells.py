@@ -114,8 +114,11 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
             return f"excluded by {matrix.name}.exclude[{i}]"
     if cell.device == "cuda" and host.cuda_devices == 0:
         return "needs a CUDA GPU: none is visible on this machine"
+    family = models.get(cell.model).family
     for use in cell.stack.uses:
         t = use.technique
+        if t.families and family not in t.families:
+            return f"{t.name} supports the {', '.join(t.families)} families, not {family} ({cell.model})"
         if t.requires_cuda and cell.device != "cuda":
             return f"{t.name} needs CUDA (this cell runs on {cell.device})"
         missing = [p for p in t.packages if p not in host.packages]

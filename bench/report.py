@@ -49,14 +49,15 @@ def _caption(frame: pd.DataFrame, command: str) -> list[str]:
         machine = f"CPU only: {r['cpu_name']}"
     libs = ", ".join(f"{name} {r[f'{name}_version']}" for name in ("torch", "transformers", "peft", "deepspeed",
                      "liger_kernel", "bitsandbytes") if pd.notna(r[f"{name}_version"]))
-    dirty = " (uncommitted changes)" if r["git_dirty"] is True else ""
-    sha = str(r["git_sha"])[:10] if pd.notna(r["git_sha"]) else "unknown"
+    dirty = " (uncommitted changes)" if (frame["git_dirty"] == True).any() else ""  # noqa: E712 (nullable)
+    shas = sorted({str(s)[:7] for s in frame["git_sha"].dropna()}) or ["unknown"]
+    sha = "`, `".join(shas)  # a resumed run can span commits; each row keeps its own
     counts = frame["status"].value_counts()
     status = ", ".join(f"{counts[s]} {s}" for s in ("ok", "oom", "host_oom", "skipped", "error", "timeout") if s in counts)
     return [
         f"- Machine: {machine}",
         f"- Libraries: {libs}; Python {r['python']}",
-        f"- Run `{r['run_id']}`, suite commit `{sha}`{dirty}, started {frame['started_at'].min()}",
+        f"- Run `{r['run_id']}`, suite commit{'s' if len(shas) > 1 else ''} `{sha}`{dirty}, started {frame['started_at'].min()}",
         f"- Cells: {len(frame)} ({status})",
         f"- Reproduce: `{command}",
     ]

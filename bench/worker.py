@@ -74,6 +74,10 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
 
     uses = [(REGISTRY[name], opts) for name, opts in cell["stack_uses"]]
     setup = _setup(uses)
+    family = models.get(cell["model"]).family
+    for technique, opts in uses:
+        if technique.before_build is not None:
+            technique.before_build(family, opts)
     model = _build(cell, setup)
     out["flops_per_token"] = measure.flops_per_token(model, cell["seq_len"])
     evidence: dict[str, Any] = {}
@@ -90,7 +94,7 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
         grads_gib=measure.tensor_gib(trainable),
         build_allocated_gib=torch.cuda.memory_allocated() / GIB if cell["device"] == "cuda" else None,
     )
-    optimizer = _optimizer(trainable, setup)
+    optimizer = _optimizer(trainable, setup, uses)
     steps = cell["warmup_steps"] + cell["measure_steps"]
     batches = data.token_batches(model.config.vocab_size, cell["batch_size"], cell["seq_len"], steps,
                                  cell["seed"], cell["device"])
@@ -128,10 +132,15 @@ def _build(cell: dict[str, Any], setup: TrainSetup) -> Any:
     return model.train()  # dropout and checkpointing act only in train mode
 
 
-def _optimizer(params: list[Any], setup: TrainSetup) -> Any:
+def _optimizer(params: list[Any], setup: TrainSetup, uses: list[tuple[Technique, dict[str, Any]]]) -> Any:
+    """The stack's optimizer technique builds it, if there is one; else torch AdamW as pinned in setup."""
     import torch
 
-    impl: dict[str, Any] = {"fused": {"fused": True}, "foreach": {"foreach": True}}[setup.optimizer_impl]
+    for technique, opts in uses:
+        if technique.make_optimizer is not None:
+            return technique.make_optimizer(params, setup, opts)
+    impl: dict[str, Any] = {"fused": {"fused": True}, "foreach": {"foreach": True},
+            "forloop": {"foreach": False, "fused": False}}[setup.optimizer_impl]
     return torch.optim.AdamW(params, lr=setup.lr, **impl)
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from . import fault, gc, lora, mixed
+from . import adamw, adamw8bit, eager_attention, expandable_segments, fault, gc, liger, lora, mixed, paged_adamw8bit
 from .base import Phase, Technique, TrainSetup
 
-REGISTRY: dict[str, Technique] = {t.name: t for t in (gc.TECHNIQUE, lora.TECHNIQUE, mixed.TECHNIQUE, fault.TECHNIQUE)}
+REGISTRY: dict[str, Technique] = {
+    t.name: t
+    for t in (
+        adamw.TECHNIQUE, adamw8bit.TECHNIQUE, eager_attention.TECHNIQUE, expandable_segments.TECHNIQUE, fault.TECHNIQUE,
+        gc.TECHNIQUE, liger.TECHNIQUE, lora.TECHNIQUE, mixed.TECHNIQUE, paged_adamw8bit.TECHNIQUE,
+    )
+}
 
 __all__ = ["REGISTRY", "Phase", "Technique", "TrainSetup"]

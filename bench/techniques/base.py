@@ -51,7 +51,11 @@ class Technique:
     packages: tuple[str, ...] = ()  # import names that must be installed
     conflicts: tuple[str, ...] = ()  # techniques it cannot be stacked with
     needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these
+    families: tuple[str, ...] = ()  # model families it supports (empty: any); others are skipped with a reason
     test_only: bool = False  # fault injection: refused unless BENCH_TEST_TECHNIQUES=1
-    env: Callable[[Options], dict[str, str]] | None = None
-    configure: Callable[[TrainSetup, Options], TrainSetup] | None = None
+    # Hooks, in the order the worker calls them (all optional):
+    env: Callable[[Options], dict[str, str]] | None = None  # env vars, set before torch is imported
+    configure: Callable[[TrainSetup, Options], TrainSetup] | None = None  # how to build and train
+    before_build: Callable[[str, Options], None] | None = None  # (family, opts): process-global patches
     apply: Callable[[Any, Options], tuple[Any, Evidence]] | None = None  # (model, opts) -> (model, evidence)
+    make_optimizer: Callable[[list[Any], TrainSetup, Options], Any] | None = None  # (trainable params, setup, opts)

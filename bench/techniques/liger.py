@@ -1,0 +1,48 @@
+"""Liger kernels (liger-kernel): Triton kernels patched into the model family's modules.
+
+Saves: the fused linear cross-entropy never materializes the (tokens x vocab) logits and their
+gradient, computing the loss chunk by chunk: at a 128k vocabulary that is the largest activation of
+a step. The RMSNorm, SwiGLU and RoPE kernels save smaller intermediates and some time.
+Costs: nothing in exactness (the losses must match the baseline's within bf16 noise); the logits are
+not returned. The patch is process-global and has no undo, which is why each cell has its own
+process. Needs CUDA (Triton) and a supported family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Evidence, Options, Phase, Technique
+
+FAMILIES = ("llama", "qwen2", "mistral")
+KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")
+
+
+def _before_build(family: str, opts: Options) -> None:
+    from liger_kernel.transformers import monkey_patch
+
+    # Patches the family's module classes, so the model built next uses Liger's.
+    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(**{k: opts[k] for k in KERNELS})
+
+
+def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+    liger_modules = sum(1 for m in model.modules() if type(m).__module__.startswith("liger_kernel"))
+    fused_loss = type(model).forward.__module__.startswith("liger_kernel")
+    if (opts["rms_norm"] or opts["swiglu"]) and liger_modules == 0:
+        raise RuntimeError("liger: no module of the built model is a Liger module")
+    if opts["fused_linear_cross_entropy"] and not fused_loss:
+        raise RuntimeError("liger: the model's forward is not Liger's fused linear cross-entropy forward")
+    return model, {"liger_modules": liger_modules, "liger_fused_loss": fused_loss}
+
+
+TECHNIQUE = Technique(
+    name="liger",
+    summary="Liger Triton kernels: fused linear cross-entropy (no logits tensor), RMSNorm, SwiGLU, RoPE",
+    phase=Phase.PATCH,
+    options={k: True for k in KERNELS},
+    requires_cuda=True,
+    packages=("liger_kernel",),
+    families=FAMILIES,
+    before_build=_before_build,
+    apply=_apply,
+)
