@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from bench import cells, cli, spec
-from bench.envinfo import HostCaps
+from bench.envinfo import OPTIONAL_PACKAGES, HostCaps
 from conftest import write_matrix
 
 REPO_MATRIX = Path(__file__).resolve().parents[1] / "matrix.yaml"
 CPU_HOST = HostCaps(cuda_devices=0, packages=frozenset())
-GPU_HOST = HostCaps(cuda_devices=1, packages=frozenset({"peft"}))
+GPU_HOST = HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))
 
 
 def test_cell_ids_are_pinned() -> None:
