@@ -2,13 +2,18 @@
 # make bench     run a matrix (MATRIX=smoke by default) and write results/<matrix>/
 # make list      print a matrix's plan      make report   regenerate its leaderboard
 # make test      CPU tests                  make lint     ruff + mypy
+# make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 MATRIX ?= smoke
 TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
 PY ?= $(shell test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python3)
 ARGS ?=
+VERSIONS ?=
+REGRESS_BASELINE ?= regress-h100-image-a
+REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
+REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 
-.PHONY: install bench list report test test-gpu lint
+.PHONY: install bench list report test test-gpu lint versions-env regress
 
 install:
 	python3 -m venv $(VENV)
@@ -34,3 +39,14 @@ test-gpu:
 lint:
 	$(PY) -m ruff check bench tests
 	$(PY) -m mypy bench
+
+versions-env:
+	test -n "$(VERSIONS)" && test -f versions/$(VERSIONS).txt
+	python3 -m venv .venv-$(VERSIONS)
+	.venv-$(VERSIONS)/bin/python -m pip install -q --upgrade pip
+	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt torch
+	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt -e ".[dev,bnb,liger]"
+
+regress:
+	$(REGRESS_PY) -m bench run regress --run-id $(REGRESS_RUN) $(ARGS)
+	$(REGRESS_PY) -m bench compare $(REGRESS_BASELINE) $(REGRESS_RUN) --out results/regress/compare/$(REGRESS_BASELINE)_vs_$(REGRESS_RUN).md

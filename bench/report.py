@@ -33,7 +33,9 @@ def leaderboard(frame: pd.DataFrame, command: str) -> str:
              f"Each cell: **peak GiB · tokens/s**. Peak = {mem_def}. Tokens/s = tokens in the "
              f"{first['measure_steps']} measured steps / their summed step time, after "
              f"{first['warmup_steps']} warm-up steps. GiB = 2^30 bytes. `OOM (phase)`: out of GPU memory; "
-             "`skip`: not run (reasons below). *vs baseline*: change against the baseline stack at the "
+             "`skip`: not run (reasons below); empty: not part of this run. `(NVML x)`: the device-level peak, "
+             f"shown where it exceeds the allocator's by more than {UNSEEN_BY_TORCH_GIB:g} GiB (memory torch does not see, "
+             "e.g. paged optimizer state). *vs baseline*: change against the baseline stack at the "
              "largest batch size both ran.", ""]
     for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
         lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), ""]
@@ -47,8 +49,8 @@ def _caption(frame: pd.DataFrame, command: str) -> list[str]:
         machine = f"{r['gpu_name']} ({_num(r['gpu_memory_gib'])} GiB) ×{r['gpu_count']}, driver {r['driver']}, CUDA {r['cuda']}"
     else:
         machine = f"CPU only: {r['cpu_name']}"
-    libs = ", ".join(f"{name} {r[f'{name}_version']}" for name in ("torch", "transformers", "peft", "deepspeed",
-                     "liger_kernel", "bitsandbytes") if pd.notna(r[f"{name}_version"]))
+    libs = ", ".join(f"{name} {'/'.join(_distinct(frame[f'{name}_version']))}" for name in (
+        "torch", "transformers", "peft", "deepspeed", "liger_kernel", "bitsandbytes") if frame[f"{name}_version"].notna().any())
     dirty = " (uncommitted changes)" if (frame["git_dirty"] == True).any() else ""  # noqa: E712 (nullable)
     shas = sorted({str(s)[:7] for s in frame["git_sha"].dropna()}) or ["unknown"]
     sha = "`, `".join(shas)  # a resumed run can span commits; each row keeps its own
@@ -78,9 +80,17 @@ def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
     return rows
 
 
+# Above this, device memory held outside torch's allocator matters (CUDA context is ~0.5-1 GiB):
+# e.g. bitsandbytes' paged optimizer state in CUDA managed memory. The cell then shows NVML's peak too.
+UNSEEN_BY_TORCH_GIB = 2.0
+
+
 def _cell(row: pd.Series, mem_col: str) -> str:
     if row["status"] == "ok":
-        return f"{_num(row[mem_col])} GiB · {_rate(row['tokens_per_s'])}"
+        nvml = row.get("nvml_peak_gib")
+        unseen = mem_col == "peak_reserved_gib" and pd.notna(nvml) and nvml - row[mem_col] > UNSEEN_BY_TORCH_GIB
+        device = f" (NVML {_num(nvml)})" if unseen else ""
+        return f"{_num(row[mem_col])} GiB{device} · {_rate(row['tokens_per_s'])}"
     if row["status"] == "oom":
         return f"OOM ({row['oom_phase']})"
     if row["status"] == "skipped":
@@ -99,6 +109,10 @@ def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str)
     mem = ok.loc[b, mem_col] / base_ok.loc[b, mem_col] - 1
     rate = ok.loc[b, "tokens_per_s"] / base_ok.loc[b, "tokens_per_s"] - 1
     return f"mem {_pct(mem)}, tok/s {_pct(rate)} (b={b})"
+
+
+def _distinct(values: pd.Series) -> list[str]:
+    return sorted({str(v) for v in values.dropna()})
 
 
 def _not_ok(frame: pd.DataFrame) -> list[str]:
