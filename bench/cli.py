@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     parquet = args.results_dir / matrix.name / "runs" / f"{run_id}.parquet"
     results.write_parquet([r for cid, r in rows.items() if cid in ids], parquet)
     board = report.write_leaderboard(parquet, args.results_dir / matrix.name / "LEADERBOARD.md",
-                                     _command(matrix.name, run_id))
+                                     _command(matrix.name, run_id), matrix.ladder)
     counts = runner.summarize(rows, planned)
     print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}")
     print(f"table: {parquet}\nleaderboard: {board}")
@@ -128,8 +128,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         parquet = report.newest_run(args.results_dir / args.matrix)
     run_id = parquet.stem
+    ladder = spec.get(args.matrix_file, args.matrix).ladder if args.matrix in spec.load(args.matrix_file) else ()
     board = report.write_leaderboard(parquet, args.results_dir / args.matrix / "LEADERBOARD.md",
-                                     _command(args.matrix, run_id))
+                                     _command(args.matrix, run_id), ladder)
     print(f"leaderboard: {board} (from {parquet})")
     return 0
 

@@ -25,7 +25,7 @@ def memory_column(frame: pd.DataFrame) -> tuple[str, str]:
             "activations and optimizer state live in host RAM, with the Python runtime and libraries)")
 
 
-def leaderboard(frame: pd.DataFrame, command: str) -> str:
+def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = ()) -> str:
     frame = frame.sort_values(["model", "seq_len", "stack", "batch_size"])
     mem_col, mem_def = memory_column(frame)
     first = frame.iloc[0]
@@ -37,8 +37,10 @@ def leaderboard(frame: pd.DataFrame, command: str) -> str:
              f"shown where it exceeds the allocator's by more than {UNSEEN_BY_TORCH_GIB:g} GiB (memory torch does not see, "
              "e.g. paged optimizer state). *vs baseline*: change against the baseline stack at the "
              "largest batch size both ran.", ""]
+    if plots:
+        lines += ["Plots: " + " · ".join(f"[{Path(p).stem}]({p})" for p in plots), ""]
     for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
-        lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), ""]
+        lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
     lines += _not_ok(frame)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -83,6 +85,27 @@ def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
 # Above this, device memory held outside torch's allocator matters (CUDA context is ~0.5-1 GiB):
 # e.g. bitsandbytes' paged optimizer state in CUDA managed memory. The cell then shows NVML's peak too.
 UNSEEN_BY_TORCH_GIB = 2.0
+
+
+def _ladder(group: pd.DataFrame, rungs: tuple[str, ...], mem_col: str) -> list[str]:
+    """Cumulative ladder: each rung adds techniques to the one before, at the largest batch where
+    every rung ran; the change is against the previous rung, so each step's cost is one glance."""
+    ok = group[(group["status"] == "ok") & group["stack"].isin(rungs)]
+    batches = [b for b, g in ok.groupby("batch_size") if set(rungs) <= set(g["stack"])]
+    if len(rungs) < 2 or not batches:
+        return []
+    b = max(batches)
+    at = ok[ok["batch_size"] == b].set_index("stack")
+    lines = [f"Cumulative ladder at batch {b}:", "", "| rung | stack | peak GiB | tokens/s | vs previous rung |",
+             "|---|---|---|---|---|"]
+    for i, stack in enumerate(rungs):
+        row, change = at.loc[stack], ""
+        if i:
+            prev = at.loc[rungs[i - 1]]
+            change = (f"mem {_pct(row[mem_col] / prev[mem_col] - 1)}, "
+                      f"tok/s {_pct(row['tokens_per_s'] / prev['tokens_per_s'] - 1)}")
+        lines.append(f"| {i} | `{stack}` | {_num(row[mem_col])} | {_rate(row['tokens_per_s'])} | {change} |")
+    return [*lines, ""]
 
 
 def _cell(row: pd.Series, mem_col: str) -> str:
@@ -146,6 +169,11 @@ def newest_run(matrix_dir: Path) -> Path:
     return max(runs, key=lambda p: pd.read_parquet(p, columns=["started_at"])["started_at"].max())
 
 
-def write_leaderboard(parquet: Path, out: Path, command: str) -> Path:
-    out.write_text(leaderboard(pd.read_parquet(parquet), command))
+def write_leaderboard(parquet: Path, out: Path, command: str, ladder: tuple[str, ...] = ()) -> Path:
+    """LEADERBOARD.md and its plots (in plots/ beside it) from one run's parquet."""
+    from .plots import write_plots
+
+    frame = pd.read_parquet(parquet)
+    plots = write_plots(frame, out.parent / "plots")
+    out.write_text(leaderboard(frame, command, ladder, tuple(str(p.relative_to(out.parent)) for p in plots)))
     return out

@@ -14,6 +14,8 @@
         seed: int
         prune_after_oom: bool      # after an OOM at batch b, skip larger batches of that model/seq/stack
         exclude: [{model: .., seq_len: .., batch_size: .., stack: ..}]   # any subset of these keys
+        ladder: [baseline, gc, gc + liger, ...]   # stacks of this matrix, each adding to the one before:
+                                                  # the leaderboard's cumulative ladder table
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DEVICES = ("auto", "cpu", "cuda")
 _TOP_KEYS = {"defaults", "matrices"}
 _MATRIX_KEYS = {
     "description", "device", "models", "seq_lens", "batch_sizes", "stacks", "steps",
-    "timeout_s", "seed", "prune_after_oom", "exclude",
+    "timeout_s", "seed", "prune_after_oom", "exclude", "ladder",
 }
 _REQUIRED = ("models", "seq_lens", "batch_sizes", "stacks")
 _EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack"}
@@ -57,6 +59,7 @@ class MatrixSpec:
     seed: int
     prune_after_oom: bool
     exclude: tuple[tuple[tuple[str, Any], ...], ...]  # each rule: sorted (key, value) pairs
+    ladder: tuple[str, ...] = ()  # stack labels, each rung adding techniques to the one before
 
 
 def load(path: str | Path) -> dict[str, MatrixSpec]:
@@ -100,6 +103,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
     steps = body.get("steps", {})
     _mapping(steps, f"{where}.steps")
     _no_unknown_keys(steps, {"warmup", "measure"}, f"{where}.steps")
+    stacks = tuple(_stack(s, f"{where}.stacks[{i}]") for i, s in enumerate(_list(body, "stacks", where)))
     return MatrixSpec(
         name=name,
         description=str(body.get("description", "")),
@@ -107,14 +111,28 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         models=tuple(_model(m, f"{where}.models[{i}]") for i, m in enumerate(_list(body, "models", where))),
         seq_lens=_positive_ints(body, "seq_lens", where),
         batch_sizes=_positive_ints(body, "batch_sizes", where),
-        stacks=tuple(_stack(s, f"{where}.stacks[{i}]") for i, s in enumerate(_list(body, "stacks", where))),
+        stacks=stacks,
         warmup_steps=_int(steps.get("warmup", 3), f"{where}.steps.warmup", minimum=1),
         measure_steps=_int(steps.get("measure", 10), f"{where}.steps.measure", minimum=1),
         timeout_s=_number(body.get("timeout_s", 900), f"{where}.timeout_s"),
         seed=_int(body.get("seed", 0), f"{where}.seed", minimum=0),
         prune_after_oom=_bool(body.get("prune_after_oom", True), f"{where}.prune_after_oom"),
         exclude=tuple(_exclude_rule(r, f"{where}.exclude[{i}]") for i, r in enumerate(body.get("exclude") or [])),
+        ladder=_ladder(body.get("ladder") or [], stacks, f"{where}.ladder"),
     )
+
+
+def _ladder(rungs: Any, stacks: tuple[Stack, ...], where: str) -> tuple[str, ...]:
+    if not isinstance(rungs, list):
+        raise SpecError(f"{where}: expected a list of stacks")
+    parsed = [_stack(r, f"{where}[{i}]") for i, r in enumerate(rungs)]
+    known = {s.label for s in stacks}
+    for i, rung in enumerate(parsed):
+        if rung.label not in known:
+            raise SpecError(f"{where}[{i}]: {rung.label!r} is not one of this matrix's stacks")
+        if i and not set(parsed[i - 1].uses) < set(rung.uses):
+            raise SpecError(f"{where}[{i}]: {rung.label!r} does not add to the rung before it ({parsed[i - 1].label!r})")
+    return tuple(r.label for r in parsed)
 
 
 def _model(name: Any, where: str) -> str:

@@ -24,6 +24,7 @@ matrices:
     seq_lens: [32]
     batch_sizes: [1, 2]
     stacks: [baseline, gc, lora, mixed]
+    ladder: [baseline, gc]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -42,6 +43,8 @@ def test_tiny_matrix_end_to_end_then_resume_runs_nothing(workdir: Path) -> None:
     board = (workdir / "results" / "tiny" / "LEADERBOARD.md").read_text()
     assert "## tiny-llama · seq 32" in board and "`gc + lora`" not in board and "`lora`" in board
     assert "python -m bench run tiny --run-id t1" in board
+    assert "Cumulative ladder at batch 2:" in board and "| 1 | `gc` |" in board
+    assert (workdir / "results" / "tiny" / "plots" / "tiny-llama_tokens_vs_memory.png").stat().st_size > 10_000
 
     mtimes = {p.name: p.stat().st_mtime_ns for p in (workdir / "results" / "raw" / "t1").glob("*.json")}
     again = run_bench(workdir, "run", "tiny", "--run-id", "t1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,19 @@ def test_unknown_matrix_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     write_matrix(tmp_path, GOOD)
     assert cli.main(["--matrix-file", str(tmp_path / "matrix.yaml"), "list", "mm"]) == 2
     assert "'mm'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("ladder", "message"), [
+    ("[baseline, gc + lora(r=8), gc]", "matrices.m.ladder[2]: 'gc' does not add to the rung before it"),
+    ("[baseline, lora]", "matrices.m.ladder[1]: 'lora' is not one of this matrix's stacks"),
+])
+def test_bad_ladder_names_the_rung(tmp_path: Path, ladder: str, message: str) -> None:
+    body = GOOD.replace("stacks: [baseline, gc + lora(r=8)]", f"stacks: [baseline, gc, gc + lora(r=8)]\n    ladder: {ladder}")
+    with pytest.raises(spec.SpecError, match=re.escape(message)):
+        spec.get(write_matrix(tmp_path, body), "m")
+
+
+def test_good_ladder_is_kept_in_order(tmp_path: Path) -> None:
+    body = GOOD.replace("stacks: [baseline, gc + lora(r=8)]",
+                        "stacks: [baseline, gc, gc + lora(r=8)]\n    ladder: [baseline, gc, lora(r=8) + gc]")
+    assert spec.get(write_matrix(tmp_path, body), "m").ladder == ("baseline", "gc", "gc + lora(r=8)")
