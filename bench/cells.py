@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from . import models
 from .envinfo import HostCaps
+from .results import row_key
 from .spec import MatrixSpec, SpecError
 from .stacks import Stack
 
@@ -32,6 +33,7 @@ class Cell:
     measure_steps: int
     seed: int
     timeout_s: float
+    repeat: int = 0  # k-th run of the same cell in a fresh process; not part of cell_id
 
     @property
     def group(self) -> tuple[str, int, str]:
@@ -55,9 +57,15 @@ class Cell:
         stack_slug = re.sub(r"[^A-Za-z0-9+._-]+", "-", self.stack.label.replace(" ", "")).strip("-")
         return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}_{digest}"
 
+    @property
+    def row_key(self) -> str:
+        """Names the row (and its raw file): the cell id, with `.rK` for repeats after the first."""
+        return row_key(self.cell_id, self.repeat)
+
     def to_json(self) -> dict:
         return {
             "cell_id": self.cell_id,
+            "repeat": self.repeat,
             "matrix": self.matrix,
             "model": self.model,
             "seq_len": self.seq_len,
@@ -84,25 +92,27 @@ def resolve_device(matrix: MatrixSpec, host: HostCaps) -> str:
     return matrix.device
 
 
-def expand(matrix: MatrixSpec, host: HostCaps) -> list[Cell]:
+def expand(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[Cell]:
+    """Every cell in run order; with repeats, each cell's repeats run back to back."""
     device = resolve_device(matrix, host)
     cells = [
         Cell(matrix.name, model, seq, batch, stack, device, matrix.warmup_steps,
-             matrix.measure_steps, matrix.seed, matrix.timeout_s)
+             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat)
         for model in matrix.models
         for seq in matrix.seq_lens
         for stack in matrix.stacks
         for batch in sorted(matrix.batch_sizes)
+        for repeat in range(repeats or matrix.repeats)
     ]
-    ids = [c.cell_id for c in cells]
+    ids = [c.row_key for c in cells]
     duplicated = {i for i in ids if ids.count(i) > 1}
     if duplicated:  # e.g. "gc+lora" and "lora + gc" listed twice
         raise SpecError(f"matrix {matrix.name}: the same cell is listed twice: {sorted(duplicated)[0]}")
     return cells
 
 
-def plan(matrix: MatrixSpec, host: HostCaps) -> list[PlannedCell]:
-    return [PlannedCell(c, skip_reason(c, matrix, host)) for c in expand(matrix, host)]
+def plan(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[PlannedCell]:
+    return [PlannedCell(c, skip_reason(c, matrix, host)) for c in expand(matrix, host, repeats)]
 
 
 def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:

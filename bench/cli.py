@@ -4,6 +4,7 @@
     python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
     python -m bench compare BASE CAND  per-cell deltas of two runs (parquet or run id); exit 1 on a regression
+    python -m bench overhead MATRIX --run-id ID   baseline cells beside a bare PyTorch loop (GPU)
     python -m bench env               what this machine has (GPU, libraries) as the suite sees it
 
 Exit codes: 0 done; 1 some cell ended in error (compare: a regression); 2 bad input (matrix.yaml, a stack) or nothing runnable.
@@ -18,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cells, compare, envinfo, report, results, runner, spec
+from . import cells, compare, envinfo, overhead, report, results, runner, spec
 from .progress import RichProgress
 from .stacks import StackError
 
@@ -49,9 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("matrix")
     run.add_argument("--run-id", help="resume or name a run (default: MATRIX-DEVICE-YYYYMMDD, resumed if present)")
     run.add_argument("--fresh", action="store_true", help="start a new run id instead of resuming today's")
-    run.add_argument("--only", help="only cells whose id matches this glob, e.g. '*_b2_*'")
+    run.add_argument("--only", help="only cells whose id matches one of these globs (comma list), e.g. '*_b2_*'")
     run.add_argument("--redo", default="", help="re-run recorded cells with these statuses (comma list, or 'all')")
     run.add_argument("--no-prune", action="store_true", help="run larger batches even after an OOM")
+    run.add_argument("--repeats", type=int, help="run each cell N times, each in a fresh process (default: the matrix's)")
     run.add_argument("--prefork", choices=("auto", "on", "off"), default="auto",
                      help="start the next worker while a cell runs (auto: on for GPU runs)")
     run.set_defaults(func=cmd_run)
@@ -71,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tps-z", type=float, default=gate.tps_z, help="tokens/s band in standard errors")
     cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
     cmp.set_defaults(func=cmd_compare)
+
+    ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
+    ovh.add_argument("matrix")
+    ovh.add_argument("--run-id", required=True)
+    ovh.add_argument("--only", help="cells whose id matches one of these globs (comma list)")
+    ovh.set_defaults(func=cmd_overhead)
 
     env = sub.add_parser("env", help="what this machine has, as the suite sees it")
     env.set_defaults(func=cmd_env)
@@ -93,7 +101,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     matrix = spec.get(args.matrix_file, args.matrix)
     host = envinfo.host_caps()
-    planned = cells.plan(matrix, host)
+    if args.repeats is not None and args.repeats < 1:
+        raise spec.SpecError(f"--repeats must be at least 1, not {args.repeats}")
+    planned = cells.plan(matrix, host, args.repeats)
     if not any(pc.skip_reason is None for pc in planned):
         return _nothing_runnable(args, matrix, planned, host)
     device = cells.resolve_device(matrix, host)
@@ -111,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{args.results_dir / 'raw' / run_id}")
     with RichProgress() as progress:
         rows = runner.run(planned, opts, provenance, progress)
-    ids = {pc.cell.cell_id for pc in planned}
+    ids = {pc.cell.row_key for pc in planned}
     parquet = args.results_dir / matrix.name / "runs" / f"{run_id}.parquet"
     results.write_parquet([r for cid, r in rows.items() if cid in ids], parquet)
     board = report.write_leaderboard(parquet, args.results_dir / matrix.name / "LEADERBOARD.md",
@@ -160,6 +170,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     return 1 if any(d.verdict == "regression" for d in diffs) else 0
+
+
+def cmd_overhead(args: argparse.Namespace) -> int:
+    parquet = args.results_dir / args.matrix / "runs" / f"{args.run_id}.parquet"
+    frame = results.read_parquet(parquet)
+    rows = overhead.compare_with_bare_loop(frame, args.only)
+    if not rows:
+        raise spec.SpecError(f"no ok baseline GPU cell in {parquet}" + (f" matching {args.only!r}" if args.only else ""))
+    out = args.results_dir / args.matrix / "overhead" / f"{args.run_id}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(overhead.markdown(rows, frame))
+    print(out.read_text())
+    return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:

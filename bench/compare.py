@@ -6,7 +6,8 @@ same cell run under two version sets pairs up.
 - Memory is close to deterministic: a cell regresses when its peak grows by more than
   max(mem_rel x baseline peak, mem_abs_gib) (default: 2% or 0.25 GiB = 256 MiB, whichever is larger).
 - Throughput is noisy: the band is derived from the measured spread, not a bare percentage. Each
-  side's relative standard error of mean step time is cv / sqrt(measured steps); a drop regresses
+  side's relative standard error is cv / sqrt(n): across its repeats when the cell was repeated
+  (`--repeats`), else of its step times within the run (n = measured steps); a drop regresses
   when it exceeds z (default 3) x their root-sum-square, and never less than tps_floor (default 3%),
   because run-to-run drift (clocks, other tenants) exceeds what one run's step spread shows.
 - Status: ok -> anything else is a regression; anything else -> ok is an improvement.
@@ -22,6 +23,7 @@ from typing import Any
 import pandas as pd
 
 from .report import memory_column
+from .results import by_cell
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,8 @@ def resolve(ref: str, results_dir: Path) -> Path:
 
 def compare(base: pd.DataFrame, cand: pd.DataFrame, gate: Gate = Gate()) -> list[CellDiff]:
     mem_col, _ = memory_column(base)  # the leaderboard's "peak": reserved on GPU, host RSS on CPU
-    cand_by_id = {r["cell_id"]: r for r in cand.to_dict("records")}
-    return [_diff(b, cand_by_id.get(b["cell_id"]), mem_col, gate) for b in base.to_dict("records")]
+    cand_by_id = {r["cell_id"]: r for r in by_cell(cand).to_dict("records")}
+    return [_diff(b, cand_by_id.get(b["cell_id"]), mem_col, gate) for b in by_cell(base).to_dict("records")]
 
 
 def _diff(b: dict[str, Any], c: dict[str, Any] | None, mem_col: str, gate: Gate) -> CellDiff:
@@ -107,9 +109,14 @@ def _speed_reasons(d: CellDiff) -> list[tuple[str, str]]:
 
 
 def _tps_band(b: dict[str, Any], c: dict[str, Any], gate: Gate) -> float | None:
+    """Relative standard error of each side's tokens/s, from its repeats when it has them (the
+    run-to-run spread), else from its step-time spread within one run."""
     errors = []
     for r in (b, c):
-        cv, n = _val(r, "step_time_cv"), _val(r, "measure_steps")
+        if (_val(r, "repeats") or 0) > 1 and _val(r, "tokens_per_s_cv") is not None:
+            cv, n = r["tokens_per_s_cv"], r["repeats"]
+        else:
+            cv, n = _val(r, "step_time_cv"), _val(r, "measure_steps")
         if cv is None or not n:
             return None
         errors.append(cv / math.sqrt(n))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .report import memory_column
+from .results import by_cell
 from .stacks import BASELINE
 
 
@@ -26,7 +27,8 @@ def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     mem_col, _ = memory_column(frame)
-    ok = frame[frame["status"] == "ok"]
+    cells = by_cell(frame)
+    ok = cells[cells["status"] == "ok"]
     written = []
     for model, group in ok.groupby("model"):
         written += [

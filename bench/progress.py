@@ -31,11 +31,11 @@ class RichProgress:
         self.bar.update(self.task, total=total)
 
     def cell_started(self, cell: Cell) -> None:
-        self.bar.update(self.task, description=cell.cell_id)
+        self.bar.update(self.task, description=cell.row_key)
 
     def cell_finished(self, cell: Cell, row: dict[str, Any]) -> None:
         status = row["status"]
-        self.bar.console.log(f"[{_STYLE.get(status, '')}]{status:8}[/] {cell.cell_id}  {_detail(row)}")
+        self.bar.console.log(f"[{_STYLE.get(status, '')}]{status:8}[/] {cell.row_key}  {_detail(row)}")
         self.bar.advance(self.task)
 
 

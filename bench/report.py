@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from .results import by_cell
 from .stacks import BASELINE
 
 
@@ -26,10 +27,11 @@ def memory_column(frame: pd.DataFrame) -> tuple[str, str]:
 
 
 def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = ()) -> str:
-    frame = frame.sort_values(["model", "seq_len", "stack", "batch_size"])
+    runs = frame
+    frame = by_cell(frame).sort_values(["model", "seq_len", "stack", "batch_size"])
     mem_col, mem_def = memory_column(frame)
     first = frame.iloc[0]
-    lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command), "",
+    lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command, len(runs)), "",
              f"Each cell: **peak GiB · tokens/s**. Peak = {mem_def}. Tokens/s = tokens in the "
              f"{first['measure_steps']} measured steps / their summed step time, after "
              f"{first['warmup_steps']} warm-up steps. GiB = 2^30 bytes. `OOM (phase)`: out of GPU memory; "
@@ -41,11 +43,12 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
         lines += ["Plots: " + " · ".join(f"[{Path(p).stem}]({p})" for p in plots), ""]
     for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
         lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
-    lines += _not_ok(frame)
+    lines += _repeatability(frame)
+    lines += _not_ok(runs.sort_values(["model", "seq_len", "stack", "batch_size"], kind="stable"))
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _caption(frame: pd.DataFrame, command: str) -> list[str]:
+def _caption(frame: pd.DataFrame, command: str, n_runs: int) -> list[str]:
     r = frame.iloc[0]
     if r["device"] == "cuda":
         machine = f"{r['gpu_name']} ({_num(r['gpu_memory_gib'])} GiB) ×{r['gpu_count']}, driver {r['driver']}, CUDA {r['cuda']}"
@@ -62,7 +65,7 @@ def _caption(frame: pd.DataFrame, command: str) -> list[str]:
         f"- Machine: {machine}",
         f"- Libraries: {libs}; Python {r['python']}",
         f"- Run `{r['run_id']}`, suite commit{'s' if len(shas) > 1 else ''} `{sha}`{dirty}, started {frame['started_at'].min()}",
-        f"- Cells: {len(frame)} ({status})",
+        f"- Cells: {len(frame)} ({status})" + (f"; {n_runs} runs with repeats" if n_runs > len(frame) else ""),
         f"- Reproduce: `{command}",
     ]
 
@@ -136,6 +139,22 @@ def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str)
 
 def _distinct(values: pd.Series) -> list[str]:
     return sorted({str(v) for v in values.dropna()})
+
+
+def _repeatability(frame: pd.DataFrame) -> list[str]:
+    """Cells run more than once: how far apart their repeats landed."""
+    rep = frame[frame["repeats"] > 1]
+    if rep.empty:
+        return []
+    peak_col = "peak_allocated_gib" if rep["peak_allocated_gib"].notna().all() else "host_rss_peak_gib"
+    lines = ["## Repeatability", "",
+             f"Cells run several times, each in a fresh process. Spread of `{peak_col}` = (max − min) / min; "
+             "tokens/s CV = stdev / mean across repeats.", "",
+             f"| cell | repeats | {peak_col} (max) | spread | tokens/s (median) | CV |", "|---|---|---|---|---|---|"]
+    for _, r in rep.iterrows():
+        lines.append(f"| `{r['cell_id']}` | {r['repeats']} | {_num(r[peak_col])} | "
+                     f"{r['peak_spread']:.2%} | {_rate(r['tokens_per_s'])} | {r['tokens_per_s_cv']:.2%} |")
+    return [*lines, ""]
 
 
 def _not_ok(frame: pd.DataFrame) -> list[str]:

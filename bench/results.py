@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: repeat column
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -25,6 +25,7 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("schema_version", "int", "version of this schema"),
     ("run_id", "str", "the run this row belongs to"),
     ("cell_id", "str", "stable id: model, seq, batch, stack label and a hash of every setting"),
+    ("repeat", "int", "0-based index of this run of the cell (each in a fresh process); repeats share cell_id"),
     ("matrix", "str", "matrix name in matrix.yaml"),
     ("model", "str", "model registry name (bench/model_configs/<model>.json)"),
     ("seq_len", "int", "tokens per sequence"),
@@ -90,6 +91,11 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
 COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 
+def row_key(cell_id: str, repeat: int | None) -> str:
+    """A row's name (and its raw file's): the cell id, with `.rK` for repeats after the first."""
+    return f"{cell_id}.r{repeat}" if repeat else cell_id
+
+
 def check_row(row: dict[str, Any]) -> dict[str, Any]:
     """Unknown columns are a bug in the suite; missing ones are filled with None, in schema order."""
     unknown = set(row) - set(COLUMNS)
@@ -116,7 +122,7 @@ def read_raw(run_dir: Path) -> dict[str, dict[str, Any]]:
     rows = {}
     for path in sorted(run_dir.glob("*.json")):
         row = json.loads(path.read_text())
-        rows[row["cell_id"]] = row
+        rows[row_key(row["cell_id"], row.get("repeat"))] = row
     return rows
 
 
@@ -160,3 +166,35 @@ def read_parquet(path: Path):
     import pandas as pd
 
     return pd.read_parquet(path)
+
+
+MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))
+
+
+def by_cell(frame):
+    """One row per cell for reports: repeats folded into the first repeat's row.
+
+    Memory columns: the max over ok repeats (what must fit). tokens_per_s: the median. Added:
+    `repeats` (ok runs), `tokens_per_s_cv` (stdev / mean across repeats) and
+    `peak_spread` ((max - min) / min across repeats of peak_allocated_gib, or of host_rss_peak_gib
+    on the CPU, which has no allocator counters).
+    """
+    import pandas as pd
+
+    frame = frame.assign(repeat=frame["repeat"].fillna(0)) if "repeat" in frame else frame.assign(repeat=0)
+    rows = []
+    for _, group in frame.sort_values("repeat").groupby("cell_id", sort=False):
+        row = group.iloc[0].copy()
+        ok = group[group["status"] == "ok"]
+        row["repeats"] = len(ok)
+        if len(ok) > 1:
+            for col in MEMORY_COLUMNS:
+                row[col] = ok[col].max()
+            tps = ok["tokens_per_s"].astype(float)
+            row["tokens_per_s"] = tps.median()
+            row["tokens_per_s_cv"] = tps.std(ddof=0) / tps.mean()
+            peak_col = "peak_allocated_gib" if ok["peak_allocated_gib"].notna().all() else "host_rss_peak_gib"
+            peak = ok[peak_col].astype(float)
+            row["peak_spread"] = (peak.max() - peak.min()) / peak.min()
+        rows.append(row)
+    return pd.DataFrame(rows).reset_index(drop=True)

@@ -79,8 +79,8 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
                     _discard(spare)
                 nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
                 spare, row = _finish(worker, opts, provenance, raw_dir, next_cell=nxt)
-            results.write_atomic(raw_dir / f"{cell.cell_id}.json", row)
-            rows[cell.cell_id] = row
+            results.write_atomic(raw_dir / f"{cell.row_key}.json", row)
+            rows[cell.row_key] = row
             if row["status"] == "oom":
                 oom_batch[cell.group] = min(cell.batch_size, oom_batch.get(cell.group, cell.batch_size))
             progress.cell_finished(cell, row)
@@ -90,10 +90,10 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
 
 
 def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) -> bool:
-    cid = pc.cell.cell_id
-    if opts.only and not fnmatch.fnmatch(cid, opts.only):
+    key = pc.cell.row_key
+    if opts.only and not any(fnmatch.fnmatch(pc.cell.cell_id, g) for g in opts.only.split(",")):
         return False
-    return cid not in rows or rows[cid]["status"] in opts.redo or "all" in opts.redo
+    return key not in rows or rows[key]["status"] in opts.redo or "all" in opts.redo
 
 
 def _oom_batches(rows: Any) -> dict[tuple[str, int, str], int]:
@@ -107,7 +107,8 @@ def _oom_batches(rows: Any) -> dict[tuple[str, int, str], int]:
 
 def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str], int], opts: RunOptions) -> str | None:
     b = oom_batch.get(cell.group)
-    if opts.prune_after_oom and b is not None and cell.batch_size > b:
+    # Repeats of a cell that OOMed would OOM again: they are pruned with the larger batches.
+    if opts.prune_after_oom and b is not None and (cell.batch_size > b or (cell.repeat and cell.batch_size == b)):
         return f"pruned: OOM at batch {b} for this model/seq/stack"
     return None
 
@@ -125,7 +126,7 @@ def _base_row(cell: Cell, opts: RunOptions, provenance: dict[str, Any]) -> dict[
         **provenance,
         "schema_version": results.SCHEMA_VERSION,
         "run_id": opts.run_id,
-        **{k: c[k] for k in ("cell_id", "matrix", "model", "seq_len", "batch_size", "stack", "device",
+        **{k: c[k] for k in ("cell_id", "repeat", "matrix", "model", "seq_len", "batch_size", "stack", "device",
                              "warmup_steps", "measure_steps", "seed")},
         "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -146,7 +147,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
 
 
 def _spawn(cell: Cell, raw_dir: Path) -> Worker:
-    log_path = raw_dir / "logs" / f"{cell.cell_id}.log"
+    log_path = raw_dir / "logs" / f"{cell.row_key}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")  # noqa: SIM115 (closed by _finish / _discard)
     proc = subprocess.Popen(
@@ -184,7 +185,7 @@ def _finish(worker: Worker, opts: RunOptions, provenance: dict[str, Any], raw_di
     """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row)."""
     cell, proc = worker.cell, worker.proc
     base = _base_row(cell, opts, provenance)
-    out = raw_dir / f".{cell.cell_id}.worker.json"
+    out = raw_dir / f".{cell.row_key}.worker.json"
     out.unlink(missing_ok=True)
     started = time.monotonic()
     assert proc.stdin is not None
@@ -222,5 +223,5 @@ def _log_tail(worker: Worker) -> str:
 
 
 def summarize(rows: dict[str, dict[str, Any]], planned: list[PlannedCell]) -> Counter:
-    ids = {pc.cell.cell_id for pc in planned}
+    ids = {pc.cell.row_key for pc in planned}
     return Counter(r["status"] for cid, r in rows.items() if cid in ids)

@@ -12,6 +12,7 @@
         steps: {warmup: int, measure: int}
         timeout_s: number          # per cell, the whole process (build included)
         seed: int
+        repeats: int               # runs of each cell, each in a fresh process (the spread is reported)
         prune_after_oom: bool      # after an OOM at batch b, skip larger batches of that model/seq/stack
         exclude: [{model: .., seq_len: .., batch_size: .., stack: ..}]   # any subset of these keys
         ladder: [baseline, gc, gc + liger, ...]   # stacks of this matrix, each adding to the one before:
@@ -34,7 +35,7 @@ DEVICES = ("auto", "cpu", "cuda")
 _TOP_KEYS = {"defaults", "matrices"}
 _MATRIX_KEYS = {
     "description", "device", "models", "seq_lens", "batch_sizes", "stacks", "steps",
-    "timeout_s", "seed", "prune_after_oom", "exclude", "ladder",
+    "timeout_s", "seed", "repeats", "prune_after_oom", "exclude", "ladder",
 }
 _REQUIRED = ("models", "seq_lens", "batch_sizes", "stacks")
 _EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack"}
@@ -59,7 +60,8 @@ class MatrixSpec:
     seed: int
     prune_after_oom: bool
     exclude: tuple[tuple[tuple[str, Any], ...], ...]  # each rule: sorted (key, value) pairs
-    ladder: tuple[str, ...] = ()  # stack labels, each rung adding techniques to the one before
+    ladder: tuple[str, ...] = ()
+    repeats: int = 1  # stack labels, each rung adding techniques to the one before
 
 
 def load(path: str | Path) -> dict[str, MatrixSpec]:
@@ -119,6 +121,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         prune_after_oom=_bool(body.get("prune_after_oom", True), f"{where}.prune_after_oom"),
         exclude=tuple(_exclude_rule(r, f"{where}.exclude[{i}]") for i, r in enumerate(body.get("exclude") or [])),
         ladder=_ladder(body.get("ladder") or [], stacks, f"{where}.ladder"),
+        repeats=_int(body.get("repeats", 1), f"{where}.repeats", minimum=1),
     )
 
 

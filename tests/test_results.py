@@ -50,3 +50,19 @@ def test_step_time_stats() -> None:
     assert stats["step_ms_p50"] == pytest.approx(100.0) and stats["step_time_cv"] == pytest.approx(0.0)
     spread = measure.step_time_stats([0.1, 0.2, 0.3])
     assert spread["step_ms_p10"] < spread["step_ms_p50"] < spread["step_ms_p90"]
+
+
+def test_repeats_fold_into_one_row_per_cell() -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame([
+        {"cell_id": "a", "repeat": r, "status": "ok", "tokens_per_s": tps, **dict.fromkeys(results.MEMORY_COLUMNS, 1.0),
+         "peak_allocated_gib": alloc}
+        for r, tps, alloc in ((0, 100.0, 10.0), (1, 110.0, 10.1), (2, 90.0, 10.0))
+    ] + [{"cell_id": "b", "repeat": None, "status": "oom", "tokens_per_s": None, **dict.fromkeys(results.MEMORY_COLUMNS)}])
+    cells = results.by_cell(frame).set_index("cell_id")
+    assert cells.loc["a", "repeats"] == 3 and cells.loc["a", "tokens_per_s"] == 100.0
+    assert cells.loc["a", "peak_allocated_gib"] == 10.1
+    assert cells.loc["a", "peak_spread"] == pytest.approx(0.01)
+    assert cells.loc["a", "tokens_per_s_cv"] == pytest.approx(pd.Series([100.0, 110.0, 90.0]).std(ddof=0) / 100)
+    assert cells.loc["b", "repeats"] == 0 and cells.loc["b", "status"] == "oom"

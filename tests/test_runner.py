@@ -151,3 +151,20 @@ def _workers_of(workdir: Path) -> list[int]:
         if b"bench.worker" in cmdline and any(str(workdir) in fd for fd in fds):
             alive.append(int(proc.name))
     return alive
+
+
+def test_repeats_run_in_fresh_processes_and_are_folded_in_the_report(workdir: Path) -> None:
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]").replace(
+        "[baseline, gc, lora, mixed]", "[baseline]").replace("    ladder: [baseline, gc]\n", ""))
+    proc = run_bench(workdir, "run", "tiny", "--run-id", "rep", "--repeats", "3", "--prefork", "on")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = raw_rows(workdir, "rep")
+    assert len(rows) == 3 and len({r["cell_id"] for r in rows.values()}) == 1
+    assert sorted(r["repeat"] for r in rows.values()) == [0, 1, 2]
+    assert len({r["started_at"] + str(r["wall_s"]) for r in rows.values()}) == 3
+    table = pd.read_parquet(workdir / "results" / "tiny" / "runs" / "rep.parquet")
+    assert sorted(table["repeat"]) == [0, 1, 2]
+    board = (workdir / "results" / "tiny" / "LEADERBOARD.md").read_text()
+    assert "## Repeatability" in board and "| 3 |" in board and "3 runs with repeats" in board
+    again = run_bench(workdir, "run", "tiny", "--run-id", "rep", "--repeats", "3")
+    assert "done: 3 ok" in again.stdout
