@@ -124,24 +124,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = {pc.cell.row_key for pc in planned}
     parquet = args.results_dir / matrix.name / "runs" / f"{run_id}.parquet"
     results.write_parquet([r for cid, r in rows.items() if cid in ids], parquet)
-    board = report.write_leaderboard(parquet, args.results_dir / matrix.name / "LEADERBOARD.md",
-                                     _command(matrix.name, run_id), matrix.ladder)
+    run_board, board = report.publish(parquet, matrix.ladder)
     counts = runner.summarize(rows, planned)
     print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}")
-    print(f"table: {parquet}\nleaderboard: {board}")
+    print(f"table: {parquet}\nthis run: {run_board}\nleaderboard: {board}")
     return 1 if counts.get("error") else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    if args.run_id:
-        parquet = _collect(args.results_dir, args.matrix, args.run_id)
-    else:
-        parquet = report.newest_run(args.results_dir / args.matrix)
-    run_id = parquet.stem
+    try:
+        parquet = (_collect(args.results_dir, args.matrix, args.run_id) if args.run_id
+                   else report.headline_run(args.results_dir / args.matrix))
+    except FileNotFoundError as err:
+        raise spec.SpecError(str(err)) from err
     ladder = spec.get(args.matrix_file, args.matrix).ladder if args.matrix in spec.load(args.matrix_file) else ()
-    board = report.write_leaderboard(parquet, args.results_dir / args.matrix / "LEADERBOARD.md",
-                                     _command(args.matrix, run_id), ladder)
-    print(f"leaderboard: {board} (from {parquet})")
+    run_board, board = report.publish(parquet, ladder)
+    print(f"this run: {run_board}\nleaderboard: {board} (from {report.headline_run(args.results_dir / args.matrix)})")
     return 0
 
 
@@ -212,5 +210,4 @@ def _default_run_id(matrix: str, device: str, provenance: dict, fresh: bool) -> 
     return f"{matrix}-{where}-{stamp}"
 
 
-def _command(matrix: str, run_id: str) -> str:
-    return f"make bench MATRIX={matrix}` (this run: `python -m bench run {matrix} --run-id {run_id}`)"
+

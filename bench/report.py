@@ -181,18 +181,38 @@ def _rate(x: float) -> str:
     return f"{x / 1000:.1f}k tok/s" if x >= 1000 else f"{x:.0f} tok/s"
 
 
-def newest_run(matrix_dir: Path) -> Path:
+def headline_run(matrix_dir: Path) -> Path:
+    """The run a matrix's LEADERBOARD.md shows: the one with the most cells, the newest among equals
+    (a small side run, e.g. repeats of three cells, gets its own runs/<run_id>.md instead)."""
     runs = sorted((matrix_dir / "runs").glob("*.parquet"))
     if not runs:
         raise FileNotFoundError(f"no runs under {matrix_dir / 'runs'}: run `python -m bench run {matrix_dir.name}` first")
-    return max(runs, key=lambda p: pd.read_parquet(p, columns=["started_at"])["started_at"].max())
+
+    def size_then_time(path: Path) -> tuple[int, str]:
+        frame = pd.read_parquet(path, columns=["cell_id", "started_at"])
+        return frame["cell_id"].nunique(), str(frame["started_at"].max())
+
+    return max(runs, key=size_then_time)
 
 
-def write_leaderboard(parquet: Path, out: Path, command: str, ladder: tuple[str, ...] = ()) -> Path:
-    """LEADERBOARD.md and its plots (in plots/ beside it) from one run's parquet."""
+def publish(parquet: Path, ladder: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Writes the run's own board (runs/<run_id>.md) and regenerates the matrix's LEADERBOARD.md
+    (with plots/) from its headline run. Returns (run board, leaderboard)."""
     from .plots import write_plots
 
-    frame = pd.read_parquet(parquet)
-    plots = write_plots(frame, out.parent / "plots")
-    out.write_text(leaderboard(frame, command, ladder, tuple(str(p.relative_to(out.parent)) for p in plots)))
-    return out
+    run_board = parquet.with_suffix(".md")
+    run_frame = pd.read_parquet(parquet)
+    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder))
+    matrix_dir = parquet.parent.parent
+    headline = headline_run(matrix_dir)
+    frame = pd.read_parquet(headline)
+    plots = write_plots(frame, matrix_dir / "plots")
+    board = matrix_dir / "LEADERBOARD.md"
+    board.write_text(leaderboard(frame, reproduce_command(frame), ladder,
+                                 tuple(str(p.relative_to(matrix_dir)) for p in plots)))
+    return run_board, board
+
+
+def reproduce_command(frame: pd.DataFrame) -> str:
+    matrix, run_id = frame["matrix"].iloc[0], frame["run_id"].iloc[0]
+    return f"make bench MATRIX={matrix}` (this run: `python -m bench run {matrix} --run-id {run_id}`)"
