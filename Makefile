@@ -13,7 +13,7 @@ REGRESS_BASELINE ?= regress-h100-image-a
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 
-.PHONY: install bench list report test test-gpu lint versions-env regress
+.PHONY: install bench list report test test-gpu lint versions-env regress regress-benchmark
 
 install:
 	python3 -m venv $(VENV)
@@ -37,7 +37,7 @@ test-gpu:
 	$(PY) -m pytest -q -m gpu
 
 lint:
-	$(PY) -m ruff check bench tests
+	$(PY) -m ruff check bench tests benchmarks
 	$(PY) -m mypy bench
 
 versions-env:
@@ -50,3 +50,6 @@ versions-env:
 regress:
 	$(REGRESS_PY) -m bench run regress --run-id $(REGRESS_RUN) $(ARGS)
 	$(REGRESS_PY) -m bench compare $(REGRESS_BASELINE) $(REGRESS_RUN) --out results/regress/compare/$(REGRESS_BASELINE)_vs_$(REGRESS_RUN).md
+
+regress-benchmark:  # pytest-benchmark view: regress on a GPU (smoke on CPU), saved under .benchmarks/
+	$(REGRESS_PY) -m pytest benchmarks --benchmark-autosave $(ARGS)

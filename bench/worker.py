@@ -74,17 +74,7 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
 
     uses = [(REGISTRY[name], opts) for name, opts in cell["stack_uses"]]
     setup = _setup(uses)
-    family = models.get(cell["model"]).family
-    for technique, opts in uses:
-        if technique.before_build is not None:
-            technique.before_build(family, opts)
-    model = _build(cell, setup)
-    out["flops_per_token"] = measure.flops_per_token(model, cell["seq_len"])
-    evidence: dict[str, Any] = {}
-    for technique, opts in uses:
-        if technique.apply is not None:
-            model, found = technique.apply(model, opts)
-            evidence.update(found)
+    model, evidence, out["flops_per_token"] = _build_with_stack(cell, setup, uses)
     trainable = [p for p in model.parameters() if p.requires_grad]
     out.update(
         evidence_json=json.dumps(evidence, sort_keys=True),
@@ -110,6 +100,57 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
         "tokens_per_s": tokens_per_step * len(step_s) / measured_s,
         **measure.step_time_stats(step_s),
     }
+
+
+def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:
+    """(model, optimizer, setup) of a cell with its stack applied, for in-process use
+    (benchmarks/): the same build as a worker's, without the measurement around it."""
+    uses = [(REGISTRY[name], opts) for name, opts in cell["stack_uses"]]
+    setup = _setup(uses)
+    model, _, _ = _build_with_stack(cell, setup, uses)
+    return model, _optimizer([p for p in model.parameters() if p.requires_grad], setup, uses), setup
+
+
+def train_step(model: Any, optimizer: Any, tokens: Any, autocast: Any, tracker: measure.PhaseTracker | None = None,
+               stage: str = "") -> Any:
+    """One optimizer step on one batch (labels = inputs); returns the loss, detached."""
+    if tracker:
+        tracker.enter(f"{stage}/forward")
+    with autocast:
+        loss = model(input_ids=tokens, labels=tokens).loss
+    if tracker:
+        tracker.enter(f"{stage}/backward")
+    loss.backward()
+    if tracker:
+        tracker.enter(f"{stage}/optimizer")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def autocast_for(setup: TrainSetup, device: str) -> Any:
+    import torch
+
+    if setup.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=getattr(torch, DTYPES[setup.autocast_dtype]))
+
+
+def _build_with_stack(cell: dict[str, Any], setup: TrainSetup,
+                      uses: list[tuple[Technique, dict[str, Any]]]) -> tuple[Any, dict[str, Any], float]:
+    """Patches, build, then each technique's apply hook: (model, evidence, flops per token of the base)."""
+    family = models.get(cell["model"]).family
+    for technique, opts in uses:
+        if technique.before_build is not None:
+            technique.before_build(family, opts)
+    model = _build(cell, setup)
+    flops = measure.flops_per_token(model, cell["seq_len"])
+    evidence: dict[str, Any] = {}
+    for technique, opts in uses:
+        if technique.apply is not None:
+            model, found = technique.apply(model, opts)
+            evidence.update(found)
+    return model, evidence, flops
 
 
 def _setup(uses: list[tuple[Technique, dict[str, Any]]]) -> TrainSetup:
@@ -151,23 +192,14 @@ def _loop(model: Any, optimizer: Any, batches: list[Any], setup: TrainSetup, tra
     import torch
 
     cuda = cell["device"] == "cuda"
-    autocast = (torch.autocast(cell["device"], dtype=getattr(torch, DTYPES[setup.autocast_dtype]))
-                if setup.autocast_dtype else contextlib.nullcontext())
+    autocast = autocast_for(setup, cell["device"])
     losses, timings = [], []
     for i, tokens in enumerate(batches):
         stage = "first_step" if i == 0 else "warmup" if i < cell["warmup_steps"] else "measure"
         start = _mark(cuda)
-        tracker.enter(f"{stage}/forward")
-        with autocast:
-            loss = model(input_ids=tokens, labels=tokens).loss
-        tracker.enter(f"{stage}/backward")
-        loss.backward()
-        tracker.enter(f"{stage}/optimizer")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        losses.append(train_step(model, optimizer, tokens, autocast, tracker, stage))
         if stage == "measure":
             timings.append((start, _mark(cuda)))
-        losses.append(loss.detach())
     if cuda:
         torch.cuda.synchronize()
     step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]
