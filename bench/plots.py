@@ -114,7 +114,9 @@ def _breakdown(group: pd.DataFrame, path: Path) -> Path | None:
 
 def breakdown_gib(rows: pd.DataFrame) -> dict[str, pd.Series]:
     """Weights, gradients and optimizer state as measured tensor bytes; the rest of the allocated
-    peak is activations and temporaries (it includes the autocast weight copies of `mixed`)."""
+    peak is activations and temporaries (it includes the autocast weight copies of `mixed`).
+    Caveat: a paged optimizer's state lives in CUDA managed memory, outside peak_allocated_gib, so
+    for such stacks the remainder is understated by the state's size."""
     weights, grads, states, peak = (rows[c].astype(float) for c in
                                     ("weights_gib", "grads_gib", "optimizer_state_gib", "peak_allocated_gib"))
     return {

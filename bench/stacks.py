@@ -133,6 +133,9 @@ def _check_rules(stack: Stack) -> None:
             raise StackError(f"{t.name} cannot be combined with {', '.join(sorted(clash))}")
         if t.needs_one_of and not names.intersection(t.needs_one_of):
             raise StackError(f"{t.name} needs one of {', '.join(t.needs_one_of)} in the same stack")
+        problem = t.validate(frozenset(names), use.opts) if t.validate else None
+        if problem:
+            raise StackError(f"{use.label}: {problem}")
 
 
 def _did_you_mean(word: str, candidates: Any) -> str:

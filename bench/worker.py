@@ -76,21 +76,22 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
     setup = _setup(uses)
     model, evidence, out["flops_per_token"] = _build_with_stack(cell, setup, uses)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    out.update(
-        evidence_json=json.dumps(evidence, sort_keys=True),
+    out.update(  # counted before an engine partitions the parameters (ZeRO-3 leaves them empty)
         total_params=sum(p.numel() for p in model.parameters()),
         trainable_params=sum(p.numel() for p in trainable),
         weights_gib=measure.tensor_gib(model.parameters()),
         grads_gib=measure.tensor_gib(trainable),
         build_allocated_gib=torch.cuda.memory_allocated() / GIB if cell["device"] == "cuda" else None,
     )
-    optimizer = _optimizer(trainable, setup, uses)
+    vocab_size = model.config.vocab_size  # an engine's .config is its own
+    model, optimizer = _trainer(model, trainable, setup, uses, cell, evidence)
+    out["evidence_json"] = json.dumps(evidence, sort_keys=True)
     steps = cell["warmup_steps"] + cell["measure_steps"]
-    batches = data.token_batches(model.config.vocab_size, cell["batch_size"], cell["seq_len"], steps,
+    batches = data.token_batches(vocab_size, cell["batch_size"], cell["seq_len"], steps,
                                  cell["seed"], cell["device"])
     losses, step_s = _loop(model, optimizer, batches, setup, tracker, cell)
-    out["optimizer_state_gib"] = measure.tensor_gib(
-        t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    states = innermost_optimizer(optimizer).state.values()
+    out["optimizer_state_gib"] = measure.tensor_gib(t for state in states for t in state.values() if torch.is_tensor(t))
     tokens_per_step = cell["batch_size"] * cell["seq_len"]
     measured_s = sum(step_s)
     return {
@@ -107,25 +108,41 @@ def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:
     (benchmarks/): the same build as a worker's, without the measurement around it."""
     uses = [(REGISTRY[name], opts) for name, opts in cell["stack_uses"]]
     setup = _setup(uses)
-    model, _, _ = _build_with_stack(cell, setup, uses)
-    return model, _optimizer([p for p in model.parameters() if p.requires_grad], setup, uses), setup
+    model, evidence, _ = _build_with_stack(cell, setup, uses)
+    model, optimizer = _trainer(model, [p for p in model.parameters() if p.requires_grad], setup, uses, cell, evidence)
+    return model, optimizer, setup
 
 
 def train_step(model: Any, optimizer: Any, tokens: Any, autocast: Any, tracker: measure.PhaseTracker | None = None,
                stage: str = "") -> Any:
-    """One optimizer step on one batch (labels = inputs); returns the loss, detached."""
+    """One optimizer step on one batch (labels = inputs); returns the loss, detached.
+    An engine (DeepSpeed) owns backward and the step: loss scaling, gradient partitioning."""
     if tracker:
         tracker.enter(f"{stage}/forward")
     with autocast:
         loss = model(input_ids=tokens, labels=tokens).loss
+    engine = hasattr(model, "backward") and hasattr(model, "step")  # a DeepSpeedEngine
     if tracker:
         tracker.enter(f"{stage}/backward")
-    loss.backward()
+    if engine:
+        model.backward(loss)
+    else:
+        loss.backward()
     if tracker:
         tracker.enter(f"{stage}/optimizer")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if engine:
+        model.step()  # also zeroes the gradients
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def innermost_optimizer(optimizer: Any) -> Any:
+    """The optimizer holding the state: engines wrap torch's (DeepSpeed's ZeRO optimizer -> AdamW)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def autocast_for(setup: TrainSetup, device: str) -> Any:
@@ -151,6 +168,19 @@ def _build_with_stack(cell: dict[str, Any], setup: TrainSetup,
             model, found = technique.apply(model, opts)
             evidence.update(found)
     return model, evidence, flops
+
+
+def _trainer(model: Any, trainable: list[Any], setup: TrainSetup, uses: list[tuple[Technique, dict[str, Any]]],
+             cell: dict[str, Any], evidence: dict[str, Any]) -> tuple[Any, Any]:
+    """(what the loop steps, its optimizer): the model and the stack's optimizer, or an engine."""
+    if setup.engine == "deepspeed":
+        from .engines import deepspeed
+
+        engine, optimizer, found = deepspeed.initialize(
+            model, trainable, deepspeed.config(uses, setup, cell["batch_size"]))
+        evidence.update(found)
+        return engine, optimizer
+    return model, _optimizer(trainable, setup, uses)
 
 
 def _setup(uses: list[tuple[Technique, dict[str, Any]]]) -> TrainSetup:

@@ -50,7 +50,8 @@ def test_train_step(benchmark: Any, cell: cells.Cell) -> None:
         torch.cuda.reset_peak_memory_stats()
     model, optimizer, setup = worker.prepare(job)
     held = {"model": model, "optimizer": optimizer}  # dropped at the end: the next cell starts empty
-    batches = iter(data.token_batches(model.config.vocab_size, cell.batch_size, cell.seq_len,
+    vocab_size = getattr(model, "module", model).config.vocab_size  # an engine wraps the model as .module
+    batches = iter(data.token_batches(vocab_size, cell.batch_size, cell.seq_len,
                                       cell.warmup_steps + cell.measure_steps, cell.seed, cell.device))
     del model, optimizer
     autocast = worker.autocast_for(setup, cell.device)

@@ -60,3 +60,42 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     for gpu_only in ("liger", "expandable_segments", "paged_adamw8bit"):
         assert rows[gpu_only]["status"] == "skipped"
         assert rows[gpu_only]["skip_reason"] == f"{gpu_only} needs CUDA (this cell runs on cpu)"
+
+
+ENGINES = """
+matrices:
+  ds:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [baseline, zero2, zero3, gc + zero3, lora + zero2, zero3 + offload(params=true)]
+    steps: {warmup: 2, measure: 3}
+    timeout_s: 180
+"""
+
+
+@pytest.mark.timeout(900)
+def test_deepspeed_zero_on_cpu_with_gloo(workdir: Path) -> None:
+    """Real DeepSpeed ZeRO-2/3 engines, world size 1 on gloo: they run, say what they are, and start
+    from the baseline's loss (same bf16 weights, same data); later steps differ only by DeepSpeed's
+    fp32 master weights."""
+    pytest.importorskip("deepspeed")
+    write_matrix(workdir, ENGINES)
+    proc = run_bench(workdir, "run", "ds", "--run-id", "ds", "--prefork", "on")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["stack"]: r for r in raw_rows(workdir, "ds").values()}
+    base = json.loads(rows["baseline"]["losses_json"])
+    for stack, stage in (("zero2", 2), ("zero3", 3), ("gc + zero3", 3), ("lora + zero2", 2)):
+        row = rows[stack]
+        assert row["status"] == "ok", row["error"]
+        evidence = json.loads(row["evidence_json"])
+        assert evidence["zero_stage"] == stage and evidence["offload_optimizer"] == "none"
+        assert evidence["ds_world_size"] == 1
+        losses = json.loads(row["losses_json"])
+        assert losses[0] == pytest.approx(base[0], rel=1e-4), stack
+        if "lora" not in stack:
+            assert losses == pytest.approx(base, rel=2e-2), stack
+    assert json.loads(rows["lora + zero2"]["evidence_json"])["lora_modules"] > 0
+    assert rows["zero2"]["optimizer_state_gib"] == pytest.approx(2 * rows["baseline"]["optimizer_state_gib"], rel=0.01)
+    assert rows["offload(params=True) + zero3"]["skip_reason"] == "offload needs CUDA (this cell runs on cpu)"

@@ -37,6 +37,7 @@ class TrainSetup:
     optimizer: str = "adamw"
     optimizer_impl: str = "fused"  # fused | foreach: pinned, since it moves the peak by GiBs
     lr: float = 1e-4
+    engine: str | None = None  # "deepspeed": an engine owns precision, optimizer and the step
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,6 @@ class Technique:
     before_build: Callable[[str, Options], None] | None = None  # (family, opts): process-global patches
     apply: Callable[[Any, Options], tuple[Any, Evidence]] | None = None  # (model, opts) -> (model, evidence)
     make_optimizer: Callable[[list[Any], TrainSetup, Options], Any] | None = None  # (trainable params, setup, opts)
+    ds_config: Callable[[Options], dict[str, Any]] | None = None  # DeepSpeed config fragment, deep-merged
+    # A rule that needs the whole stack: (names in the stack, own options) -> why it cannot run, or None
+    validate: Callable[[frozenset[str], Options], str | None] | None = None

@@ -1,0 +1,2 @@
+"""Training engines that own the step (precision, optimizer, sharding): shared by the techniques
+that select them. Not techniques themselves."""

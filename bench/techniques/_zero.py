@@ -1,0 +1,35 @@
+"""What the ZeRO stages share (not a technique): the DeepSpeed engine selected, its optimizer option."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..engines.deepspeed import RANK_ENV
+from .base import Options, Phase, Technique, TrainSetup
+
+# DeepSpeed owns precision (bf16 + fp32 master weights) and the optimizer: no other may be stacked.
+OWNED_BY_ENGINE = ("mixed", "adamw", "adamw8bit", "paged_adamw8bit")
+
+
+def technique(stage: int, summary: str) -> Technique:
+    def fragment(opts: Options) -> dict[str, Any]:
+        return {"zero_optimization": {"stage": stage},
+                "optimizer": {"params": {"torch_adam": opts["adam"] == "torch"}}}
+
+    def configure(setup: TrainSetup, opts: Options) -> TrainSetup:
+        return replace(setup, engine="deepspeed")
+
+    return Technique(
+        name=f"zero{stage}",
+        summary=summary,
+        phase=Phase.ENGINE,
+        slot="engine",
+        options={"adam": "torch"},
+        choices={"adam": ("torch", "deepspeed")},
+        packages=("deepspeed",),
+        conflicts=OWNED_BY_ENGINE,
+        env=lambda opts: dict(RANK_ENV),
+        configure=configure,
+        ds_config=fragment,
+    )
