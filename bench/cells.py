@@ -129,6 +129,9 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
         t = use.technique
         if t.families and family not in t.families:
             return f"{t.name} supports the {', '.join(t.families)} families, not {family} ({cell.model})"
+        problem = t.check_cell(cell.seq_len, cell.batch_size, use.opts) if t.check_cell else None
+        if problem:
+            return f"{use.label}: {problem}"
         if t.requires_cuda and cell.device != "cuda":
             return f"{t.name} needs CUDA (this cell runs on {cell.device})"
         missing = [p for p in t.packages if p not in host.packages]

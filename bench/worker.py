@@ -113,29 +113,35 @@ def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:
     return model, optimizer, setup
 
 
-def train_step(model: Any, optimizer: Any, tokens: Any, autocast: Any, tracker: measure.PhaseTracker | None = None,
-               stage: str = "") -> Any:
-    """One optimizer step on one batch (labels = inputs); returns the loss, detached.
-    An engine (DeepSpeed) owns backward and the step: loss scaling, gradient partitioning."""
-    if tracker:
-        tracker.enter(f"{stage}/forward")
-    with autocast:
-        loss = model(input_ids=tokens, labels=tokens).loss
+def train_step(model: Any, optimizer: Any, tokens: Any, autocast: Any, micro_batches: int = 1,
+               tracker: measure.PhaseTracker | None = None, stage: str = "") -> Any:
+    """One optimizer step on one batch (labels = inputs), in `micro_batches` forward/backward passes
+    whose gradients accumulate; returns the batch's mean loss, detached. An engine (DeepSpeed) owns
+    backward and the step (loss scaling, gradient partitioning)."""
     engine = hasattr(model, "backward") and hasattr(model, "step")  # a DeepSpeedEngine
-    if tracker:
-        tracker.enter(f"{stage}/backward")
-    if engine:
-        model.backward(loss)
-    else:
-        loss.backward()
-    if tracker:
-        tracker.enter(f"{stage}/optimizer")
+    total = 0.0
+    for chunk in tokens.chunk(micro_batches):
+        _enter(tracker, f"{stage}/forward")
+        with autocast:
+            loss = model(input_ids=chunk, labels=chunk).loss / micro_batches
+        _enter(tracker, f"{stage}/backward")
+        if engine:
+            model.backward(loss)
+        else:
+            loss.backward()
+        total += loss.detach()
+    _enter(tracker, f"{stage}/optimizer")
     if engine:
         model.step()  # also zeroes the gradients
     else:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total
+
+
+def _enter(tracker: measure.PhaseTracker | None, phase: str) -> None:
+    if tracker is not None:
+        tracker.enter(phase)
 
 
 def innermost_optimizer(optimizer: Any) -> Any:
@@ -227,7 +233,7 @@ def _loop(model: Any, optimizer: Any, batches: list[Any], setup: TrainSetup, tra
     for i, tokens in enumerate(batches):
         stage = "first_step" if i == 0 else "warmup" if i < cell["warmup_steps"] else "measure"
         start = _mark(cuda)
-        losses.append(train_step(model, optimizer, tokens, autocast, tracker, stage))
+        losses.append(train_step(model, optimizer, tokens, autocast, setup.micro_batches, tracker, stage))
         if stage == "measure":
             timings.append((start, _mark(cuda)))
     if cuda:

@@ -57,7 +57,7 @@ def test_train_step(benchmark: Any, cell: cells.Cell) -> None:
     autocast = worker.autocast_for(setup, cell.device)
 
     def step() -> None:
-        worker.train_step(held["model"], held["optimizer"], next(batches), autocast)
+        worker.train_step(held["model"], held["optimizer"], next(batches), autocast, setup.micro_batches)
         if cuda:
             torch.cuda.synchronize()
 

@@ -31,7 +31,7 @@ matrices:
     seq_lens: [64]
     batch_sizes: [2]
     stacks: [baseline, adamw(impl=foreach), adamw(impl=forloop), adamw8bit, eager_attention, gc + adamw8bit,
-             liger, expandable_segments, paged_adamw8bit]
+             grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -48,7 +48,7 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     base = losses["baseline"]
 
     # Same math, other kernels: the same losses up to bf16 rounding.
-    for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention"):
+    for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention", "grad_accum"):
         assert losses[exact] == pytest.approx(base, rel=1e-2), exact
     assert json.loads(rows["eager_attention"]["evidence_json"]) == {"attn_implementation": "eager"}
 
@@ -56,6 +56,8 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     assert rows["adamw8bit"]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
     assert losses["adamw8bit"][0] == pytest.approx(base[0], rel=1e-3)
     assert rows["gc + adamw8bit"]["status"] == "ok"
+
+    assert rows["grad_accum(steps=4)"]["skip_reason"] == "grad_accum(steps=4): batch 2 does not split into 4 equal micro-batches"
 
     for gpu_only in ("liger", "expandable_segments", "paged_adamw8bit"):
         assert rows[gpu_only]["status"] == "skipped"

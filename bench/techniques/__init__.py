@@ -9,6 +9,7 @@ from . import (
     expandable_segments,
     fault,
     gc,
+    grad_accum,
     liger,
     lora,
     mixed,
@@ -19,13 +20,8 @@ from . import (
 )
 from .base import Phase, Technique, TrainSetup
 
-REGISTRY: dict[str, Technique] = {
-    t.name: t
-    for t in (
-        adamw.TECHNIQUE, adamw8bit.TECHNIQUE, eager_attention.TECHNIQUE, expandable_segments.TECHNIQUE, fault.TECHNIQUE,
-        gc.TECHNIQUE, liger.TECHNIQUE, lora.TECHNIQUE, mixed.TECHNIQUE, offload.TECHNIQUE, paged_adamw8bit.TECHNIQUE,
-        zero2.TECHNIQUE, zero3.TECHNIQUE,
-    )
-}
+_MODULES = (adamw, adamw8bit, eager_attention, expandable_segments, fault, gc, grad_accum, liger, lora, mixed,
+            offload, paged_adamw8bit, zero2, zero3)
+REGISTRY: dict[str, Technique] = {m.TECHNIQUE.name: m.TECHNIQUE for m in _MODULES}
 
 __all__ = ["REGISTRY", "Phase", "Technique", "TrainSetup"]

@@ -38,6 +38,7 @@ class TrainSetup:
     optimizer_impl: str = "fused"  # fused | foreach: pinned, since it moves the peak by GiBs
     lr: float = 1e-4
     engine: str | None = None  # "deepspeed": an engine owns precision, optimizer and the step
+    micro_batches: int = 1  # forward/backward passes per optimizer step (gradient accumulation)
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,5 @@ class Technique:
     ds_config: Callable[[Options], dict[str, Any]] | None = None  # DeepSpeed config fragment, deep-merged
     # A rule that needs the whole stack: (names in the stack, own options) -> why it cannot run, or None
     validate: Callable[[frozenset[str], Options], str | None] | None = None
+    # A rule on the cell's shape: (seq_len, batch_size, own options) -> why this cell cannot run, or None
+    check_cell: Callable[[int, int, Options], str | None] | None = None

@@ -1,0 +1,37 @@
+"""Gradient accumulation: the cell's batch in `steps` micro-batches, gradients summed, one optimizer step.
+
+Saves: activation memory, which scales with the micro-batch (batch / steps), at the same effective
+batch and the same loss (exact up to summation order: the losses must track the baseline's).
+Costs: smaller matmuls use the GPU less well, and weights are read `steps` times per optimizer step.
+The batch must divide by `steps`. Not combined with the DeepSpeed engines here (they accumulate
+through their own `gradient_accumulation_steps`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .base import Options, Phase, Technique, TrainSetup
+
+
+def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
+    return replace(setup, micro_batches=opts["steps"])
+
+
+def _check_cell(seq_len: int, batch_size: int, opts: Options) -> str | None:
+    if opts["steps"] < 2:
+        return "steps must be at least 2"
+    if batch_size % opts["steps"]:
+        return f"batch {batch_size} does not split into {opts['steps']} equal micro-batches"
+    return None
+
+
+TECHNIQUE = Technique(
+    name="grad_accum",
+    summary="gradient accumulation: same batch in smaller micro-batches, less activation memory, slower",
+    phase=Phase.OPTIMIZER,
+    options={"steps": 2},
+    conflicts=("zero2", "zero3"),
+    configure=_configure,
+    check_cell=_check_cell,
+)
