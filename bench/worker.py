@@ -160,14 +160,21 @@ def autocast_for(setup: TrainSetup, device: str) -> Any:
 
 
 def _build_with_stack(cell: dict[str, Any], setup: TrainSetup,
-                      uses: list[tuple[Technique, dict[str, Any]]]) -> tuple[Any, dict[str, Any], float]:
-    """Patches, build, then each technique's apply hook: (model, evidence, flops per token of the base)."""
+                      uses: list[tuple[Technique, dict[str, Any]]]) -> tuple[Any, dict[str, Any], float | None]:
+    """Patches, build (or a technique's load), then each technique's apply hook:
+    (model, evidence, flops per token of the base, None for a quantized base)."""
     family = models.get(cell["model"]).family
     for technique, opts in uses:
         if technique.before_build is not None:
             technique.before_build(family, opts)
-    model = _build(cell, setup)
-    flops = measure.flops_per_token(model, cell["seq_len"])
+    loaders = [(t, opts) for t, opts in uses if t.load is not None]  # at most one: slot "base"
+    if loaders:
+        loader, opts = loaders[0]
+        model = loader.load(cell, setup.attn_implementation, opts)  # type: ignore[misc]
+        flops = None  # quantized base: no plain-bf16 FLOP count, MFU left empty
+    else:
+        model = _build(cell, setup)
+        flops = measure.flops_per_token(model, cell["seq_len"])
     evidence: dict[str, Any] = {}
     for technique, opts in uses:
         if technique.apply is not None:

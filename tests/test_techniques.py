@@ -101,3 +101,44 @@ def test_deepspeed_zero_on_cpu_with_gloo(workdir: Path) -> None:
     assert json.loads(rows["lora + zero2"]["evidence_json"])["lora_modules"] > 0
     assert rows["zero2"]["optimizer_state_gib"] == pytest.approx(2 * rows["baseline"]["optimizer_state_gib"], rel=0.01)
     assert rows["offload(params=True) + zero3"]["skip_reason"] == "offload needs CUDA (this cell runs on cpu)"
+
+
+QUANTIZED = """
+matrices:
+  q:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [lora, qlora, gc + qlora(prepare_kbit=true), int8_lora]
+    steps: {warmup: 2, measure: 3}
+    timeout_s: 180
+"""
+
+
+@pytest.mark.timeout(600)
+def test_quantized_bases_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes' CPU backend: a real NF4 / int8 base loaded from a cached random checkpoint,
+    with LoRA adapters; the weights shrink as the format says."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("BENCH_CACHE", str(workdir / "cache"))
+    write_matrix(workdir, QUANTIZED)
+    proc = run_bench(workdir, "run", "q", "--run-id", "q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["stack"]: r for r in raw_rows(workdir, "q").values()}
+    for stack, layers in (("qlora", 14), ("qlora(prepare_kbit=True) + gc", 14), ("int8_lora", 14)):
+        row = rows[stack]
+        assert row["status"] == "ok", row["error"]
+        evidence = json.loads(row["evidence_json"])
+        assert evidence["quantized_layers"] == layers and evidence["lora_modules"] == 14
+        assert row["trainable_params"] == rows["lora"]["trainable_params"]
+        assert row["flops_per_token"] is None  # no MFU for a quantized base
+    assert json.loads(rows["qlora(prepare_kbit=True) + gc"]["evidence_json"])["prepare_kbit"] is True
+    # tiny-llama's 14 decoder linears hold 92160 weights: 2 B each in bf16, 0.5 B in nf4, 1 B in int8;
+    # embeddings, norms and lm_head stay bf16
+    linear_weights = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176)
+    saved = rows["lora"]["weights_gib"] - rows["qlora"]["weights_gib"]
+    assert saved == pytest.approx(linear_weights * 1.5 / 2**30, rel=0.02)
+    saved = rows["lora"]["weights_gib"] - rows["int8_lora"]["weights_gib"]
+    assert saved == pytest.approx(linear_weights * 1.0 / 2**30, rel=0.02)
+    assert list((workdir / "cache" / "checkpoints").iterdir())  # the random checkpoint, reused by every cell

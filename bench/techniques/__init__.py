@@ -10,18 +10,20 @@ from . import (
     fault,
     gc,
     grad_accum,
+    int8_lora,
     liger,
     lora,
     mixed,
     offload,
     paged_adamw8bit,
+    qlora,
     zero2,
     zero3,
 )
 from .base import Phase, Technique, TrainSetup
 
-_MODULES = (adamw, adamw8bit, eager_attention, expandable_segments, fault, gc, grad_accum, liger, lora, mixed,
-            offload, paged_adamw8bit, zero2, zero3)
+_MODULES = (adamw, adamw8bit, eager_attention, expandable_segments, fault, gc, grad_accum, int8_lora, liger, lora, mixed,
+            offload, paged_adamw8bit, qlora, zero2, zero3)
 REGISTRY: dict[str, Technique] = {m.TECHNIQUE.name: m.TECHNIQUE for m in _MODULES}
 
 __all__ = ["REGISTRY", "Phase", "Technique", "TrainSetup"]

@@ -1,0 +1,57 @@
+"""What qlora and int8_lora share (not a technique): a bitsandbytes-quantized base loaded from a
+random checkpoint, then LoRA adapters (the quantized base cannot be trained, only adapted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import lora
+from .base import Evidence, Options, Phase, Technique
+
+LORA_OPTIONS = dict(lora.TECHNIQUE.options)
+
+
+def technique(name: str, summary: str, quantization: Callable[[Options], Any], layer_class: str,
+              extra_options: dict[str, Any]) -> Technique:
+    def load(cell: dict[str, Any], attn_implementation: str, opts: Options) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..checkpoints import random_checkpoint
+
+        device = 0 if cell["device"] == "cuda" else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            random_checkpoint(cell["model"], cell["seed"]), quantization_config=quantization(opts),
+            dtype=torch.bfloat16, device_map={"": device}, attn_implementation=attn_implementation)
+        model.config.use_cache = False
+        return model.train()
+
+    def apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+        import bitsandbytes as bnb
+
+        quantized = sum(isinstance(m, getattr(bnb.nn, layer_class)) for m in model.modules())
+        if quantized == 0:
+            raise RuntimeError(f"{name}: no {layer_class} layer in the loaded model")
+        if opts["prepare_kbit"]:
+            from peft import prepare_model_for_kbit_training
+
+            # Upcasts norms, embeddings and lm_head to fp32: visible option, not a hidden default.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model, found = lora.TECHNIQUE.apply(model, {k: opts[k] for k in LORA_OPTIONS})  # type: ignore[misc]
+        return model, {**found, "quantized_layers": quantized, "prepare_kbit": opts["prepare_kbit"]}
+
+    return Technique(
+        name=name,
+        summary=summary,
+        phase=Phase.LOAD,
+        slot="base",
+        options={**LORA_OPTIONS, **extra_options, "prepare_kbit": False},
+        choices=dict(lora.TECHNIQUE.choices),
+        packages=("bitsandbytes", "peft"),
+        # qlora brings its own adapters; its base dtype is fixed; ZeRO-3 would partition packed
+        # 4-bit storage, which needs bnb_4bit_quant_storage plumbing this suite does not do.
+        conflicts=("lora", "mixed", "zero3"),
+        load=load,
+        apply=apply,
+    )
