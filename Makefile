@@ -2,6 +2,7 @@
 # make bench     run a matrix (MATRIX=smoke by default) and write results/<matrix>/
 # make list      print a matrix's plan      make report   regenerate its leaderboard
 # make test      CPU tests                  make lint     ruff + mypy
+# make fit       fit frontier: MATRIX=fit3b BUDGETS=24,40,80 (GPU)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 MATRIX ?= smoke
 TORCH_SPEC ?= torch==2.13.0
@@ -9,11 +10,12 @@ VENV ?= .venv
 PY ?= $(shell test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo python3)
 ARGS ?=
 VERSIONS ?=
+BUDGETS ?= 24,40,80
 REGRESS_BASELINE ?= regress-h100-image-a
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 
-.PHONY: install bench list report test test-gpu lint versions-env regress regress-benchmark
+.PHONY: install bench list report fit test test-gpu lint versions-env regress regress-benchmark
 
 install:
 	python3 -m venv $(VENV)
@@ -31,6 +33,9 @@ list:
 
 report:
 	$(PY) -m bench report $(MATRIX)
+
+fit:  # largest batch / sequence per stack under each memory budget (GiB), e.g. make fit MATRIX=fit3b
+	$(PY) -m bench fit $(MATRIX) --budgets $(BUDGETS) $(ARGS)
 
 test:
 	$(PY) -m pytest -q

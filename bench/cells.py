@@ -34,11 +34,12 @@ class Cell:
     seed: int
     timeout_s: float
     repeat: int = 0  # k-th run of the same cell in a fresh process; not part of cell_id
+    budget_gib: float | None = None  # emulated memory budget (bench fit); None: the whole card
 
     @property
-    def group(self) -> tuple[str, int, str]:
+    def group(self) -> tuple[str, int, str, float | None]:
         """Cells that differ only in batch size: the unit of OOM pruning."""
-        return (self.model, self.seq_len, self.stack.label)
+        return (self.model, self.seq_len, self.stack.label, self.budget_gib)
 
     @property
     def cell_id(self) -> str:
@@ -53,9 +54,13 @@ class Cell:
             "steps": [self.warmup_steps, self.measure_steps],
             "seed": self.seed,
         }
+        budget = ""
+        if self.budget_gib is not None:  # only then: ids of cells without a budget stay as published
+            key["budget_gib"] = self.budget_gib
+            budget = f"_m{self.budget_gib:g}g"
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
         stack_slug = re.sub(r"[^A-Za-z0-9+._-]+", "-", self.stack.label.replace(" ", "")).strip("-")
-        return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}_{digest}"
+        return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}{budget}_{digest}"
 
     @property
     def row_key(self) -> str:
@@ -77,6 +82,7 @@ class Cell:
             "measure_steps": self.measure_steps,
             "seed": self.seed,
             "timeout_s": self.timeout_s,
+            "budget_gib": self.budget_gib,
         }
 
 

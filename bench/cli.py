@@ -4,6 +4,7 @@
     python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
     python -m bench compare BASE CAND  per-cell deltas of two runs (parquet or run id); exit 1 on a regression
+    python -m bench fit MATRIX --budgets 24,40,80   largest batch / sequence that trains per budget
     python -m bench overhead MATRIX --run-id ID   baseline cells beside a bare PyTorch loop (GPU)
     python -m bench env               what this machine has (GPU, libraries) as the suite sees it
 
@@ -19,8 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-from . import cells, compare, envinfo, overhead, report, results, runner, spec
-from .progress import RichProgress
+from . import cells, compare, envinfo, fit, fitreport, overhead, report, results, runner, spec
+from .progress import LineProgress, RichProgress
 from .stacks import StackError
 
 DEFAULT_MATRIX_FILE = envinfo.REPO / "matrix.yaml"
@@ -73,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tps-z", type=float, default=gate.tps_z, help="tokens/s band in standard errors")
     cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
     cmp.set_defaults(func=cmd_compare)
+
+    fit_p = sub.add_parser("fit", help="per budget: the largest batch (and at batch 1 the longest sequence) that trains")
+    fit_p.add_argument("matrix")
+    fit_p.add_argument("--budgets", required=True, help="memory budgets in GiB, comma list, e.g. 24,40,80")
+    fit_p.add_argument("--max-batch", type=int, default=64)
+    fit_p.add_argument("--seq-step", type=int, default=1024)
+    fit_p.add_argument("--max-seq", type=int, default=32768)
+    fit_p.add_argument("--run-id", help="resume or name a fit run (default: fit-MATRIX-DEVICE-YYYYMMDD)")
+    fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
     ovh.add_argument("matrix")
@@ -168,6 +178,32 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     return 1 if any(d.verdict == "regression" for d in diffs) else 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    matrix = spec.get(args.matrix_file, args.matrix)
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(","))
+    except ValueError:
+        raise spec.SpecError(f"--budgets: {args.budgets!r} is not a comma list of GiB numbers") from None
+    if min(budgets) <= 0 or args.max_batch < 1 or args.seq_step < 1 or args.max_seq < args.seq_step:
+        raise spec.SpecError("--budgets must be positive, --max-batch >= 1, --max-seq >= --seq-step >= 1")
+    host = envinfo.host_caps()
+    device = cells.resolve_device(matrix, host)
+    if device == "cuda" and host.cuda_devices == 0:
+        return _nothing_runnable(args, matrix, cells.plan(matrix, host), host)
+    provenance = envinfo.provenance(host)
+    run_id = args.run_id or "fit-" + _default_run_id(matrix.name, device, provenance, fresh=False)
+    opts = runner.RunOptions(results_dir=args.results_dir, run_id=run_id, prune_after_oom=False)  # the search decides
+    plan = fit.FitPlan(budgets, args.max_batch, args.seq_step, args.max_seq)
+    if device == "cpu":
+        print("note: on the CPU budgets are recorded, not enforced: only OOMs a stack raises itself bound the search")
+    summary = fit.FrontierRun(matrix, host, plan, opts, provenance, LineProgress()).all()
+    probe_rows = list(results.read_raw(args.results_dir / "raw" / run_id).values())
+    board = fitreport.publish(summary, probe_rows, args.results_dir / matrix.name / "fit", run_id)
+    ran = sum(s["probes_run"] for s in summary)
+    print(f"done: {len(summary)} searches, {ran} probes run now\nfrontier: {board}")
+    return 0
 
 
 def cmd_overhead(args: argparse.Namespace) -> int:

@@ -151,6 +151,10 @@ class NvmlSampler:
         while not self._stop.wait(interval_s):
             self.peak_bytes = max(self.peak_bytes, self._used())
 
+    def used_gib(self) -> float:
+        """Device memory in use now above the baseline, GiB."""
+        return (self._used() - self.baseline_bytes) / GIB
+
     def stop(self) -> float:
         """Stops sampling; returns the peak above the baseline in GiB."""
         self._stop.set()

@@ -47,3 +47,16 @@ def _detail(row: dict[str, Any]) -> str:
         return f"in {row.get('oom_phase')}"
     why = row.get("skip_reason") or row.get("error") or ""
     return why.strip().splitlines()[-1] if why.strip() else ""
+
+
+class LineProgress:
+    """One line per finished cell, no bar: for callers that run cells one at a time (bench fit)."""
+
+    def start(self, total: int) -> None:
+        pass
+
+    def cell_started(self, cell: Cell) -> None:
+        pass
+
+    def cell_finished(self, cell: Cell, row: dict[str, Any]) -> None:
+        print(f"{row['status']:8} {cell.row_key}  {_detail(row)}", flush=True)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: repeat column
+SCHEMA_VERSION = 3  # 2: repeat; 3: budget_gib, allocator_cap_gib
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -36,6 +36,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("warmup_steps", "int", "steps before measurement (the first one included)"),
     ("measure_steps", "int", "timed steps"),
     ("seed", "int", "seed of weights and tokens"),
+    ("budget_gib", "float", "memory budget emulated for this cell (bench fit), GiB; empty: the whole card"),
+    ("allocator_cap_gib", "float", "cap on torch's caching allocator: budget - memory used outside torch, GiB"),
     ("status", "str", "ok | oom | host_oom | skipped | error | timeout"),
     ("oom_phase", "str", "for oom: stage/phase it happened in (build, first_step/backward, ...)"),
     ("skip_reason", "str", "for skipped: why (a requirement, a rule, or pruned after an OOM)"),

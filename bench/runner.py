@@ -96,16 +96,16 @@ def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) 
     return key not in rows or rows[key]["status"] in opts.redo or "all" in opts.redo
 
 
-def _oom_batches(rows: Any) -> dict[tuple[str, int, str], int]:
-    smallest: dict[tuple[str, int, str], int] = {}
+def _oom_batches(rows: Any) -> dict[tuple[str, int, str, float | None], int]:
+    smallest: dict[tuple[str, int, str, float | None], int] = {}
     for r in rows:
         if r["status"] == "oom":
-            group = (r["model"], r["seq_len"], r["stack"])
+            group = (r["model"], r["seq_len"], r["stack"], r.get("budget_gib"))
             smallest[group] = min(r["batch_size"], smallest.get(group, r["batch_size"]))
     return smallest
 
 
-def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str], int], opts: RunOptions) -> str | None:
+def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str, float | None], int], opts: RunOptions) -> str | None:
     b = oom_batch.get(cell.group)
     # Repeats of a cell that OOMed would OOM again: they are pruned with the larger batches.
     if opts.prune_after_oom and b is not None and (cell.batch_size > b or (cell.repeat and cell.batch_size == b)):
@@ -126,7 +126,7 @@ def _base_row(cell: Cell, opts: RunOptions, provenance: dict[str, Any]) -> dict[
         **provenance,
         "schema_version": results.SCHEMA_VERSION,
         "run_id": opts.run_id,
-        **{k: c[k] for k in ("cell_id", "repeat", "matrix", "model", "seq_len", "batch_size", "stack", "device",
+        **{k: c[k] for k in ("cell_id", "repeat", "budget_gib", "matrix", "model", "seq_len", "batch_size", "stack", "device",
                              "warmup_steps", "measure_steps", "seed")},
         "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

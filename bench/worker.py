@@ -49,6 +49,8 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     tracker = measure.PhaseTracker(cuda)
     out: dict[str, Any] = {}
     try:
+        if cell.get("budget_gib") is not None and cuda:
+            out["allocator_cap_gib"] = _cap_allocator(cell["budget_gib"], sampler)
         out.update(_train(cell, tracker, out))
         out["status"] = "ok"
     except Exception as err:  # every failure becomes the row's status, never a lost cell
@@ -65,6 +67,24 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
         out["nvml_peak_gib"] = sampler.stop()
     out["host_rss_peak_gib"] = measure.host_rss_peak_gib()
     return out
+
+
+def _cap_allocator(budget_gib: float, sampler: measure.NvmlSampler | None) -> float:
+    """Emulates a card with `budget_gib` of memory: caps torch's caching allocator at the budget minus
+    the memory torch does not see, measured with NVML once CUDA has started (the CUDA context).
+    What the cap does not cover: memory allocated outside torch later (NCCL buffers, bitsandbytes'
+    paged optimizer state in managed memory): a cell using those can exceed the budget in reality."""
+    import torch
+
+    torch.zeros(1, device="cuda")  # starts CUDA: the context now exists
+    outside_torch = sampler.used_gib() - torch.cuda.memory_reserved() / GIB if sampler else 0.0
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    cap = budget_gib - outside_torch
+    if not 0 < cap <= total:
+        raise ValueError(f"budget {budget_gib} GiB cannot be emulated on a {total:.1f} GiB GPU "
+                         f"({outside_torch:.2f} GiB is used outside torch)")
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    return cap
 
 
 def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Fault injection for the runner's tests (not a memory technique).
 
 Fails the cell in a chosen way on the first forward pass, so tests can prove that every failure
-ends as the right row and costs nothing else. Refused unless BENCH_TEST_TECHNIQUES=1.
+ends as the right row and costs nothing else. With `over_tokens=N` it fails only when a forward
+sees more than N tokens (batch x seq): a memory limit the fit search can find on a CPU.
+Refused unless BENCH_TEST_TECHNIQUES=1.
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ def _fail(mode: str) -> None:
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    mode = opts["mode"]
-    model.register_forward_pre_hook(lambda module, args: _fail(mode))
+    mode, limit = opts["mode"], opts["over_tokens"]
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        tokens = kwargs["input_ids"].numel() if "input_ids" in kwargs else args[0].numel()
+        if tokens > limit:
+            _fail(mode)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return model, {"fault": mode}
 
 
@@ -39,7 +47,7 @@ TECHNIQUE = Technique(
     name="fault",
     summary="test only: fails the first forward (raise | oom | hang | exit137 | sigkill)",
     phase=Phase.PATCH,
-    options={"mode": "raise"},
+    options={"mode": "raise", "over_tokens": 0},
     choices={"mode": ("raise", "oom", "hang", "exit137", "sigkill")},
     test_only=True,
     apply=_apply,

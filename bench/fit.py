@@ -1,0 +1,148 @@
+"""The fit frontier: under a memory budget, the largest batch (and at batch 1, the longest sequence)
+with which a stack still trains.
+
+Search: bisection over a finite ascending list of candidate sizes (batches 1..max_batch; sequence
+lengths in steps of seq_step up to max_seq), assuming that what fits at size s fits at every smaller
+size. What is already known narrows the interval before any probe: earlier probes of the same
+search (a resumed run), the result at a smaller budget (what fits there fits here) and at a larger
+one (what OOMs there OOMs here). So a search costs at most ceil(log2(n + 1)) probes for n unknown
+candidates. Each probe is a cell of its own, run by the runner in a fresh process, recorded as a
+row; both sides of the boundary (largest size that ran, smallest that OOMed) are rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import results, runner
+from .cells import Cell, PlannedCell, resolve_device, skip_reason
+from .envinfo import HostCaps
+from .spec import MatrixSpec
+from .stacks import Stack
+
+
+@dataclass(frozen=True)
+class Frontier:
+    largest_ok: int | None  # largest size that trained (None: not even the smallest)
+    smallest_oom: int | None  # smallest size that ran out of memory (None: none did, up to the max)
+    probes: tuple[int, ...]  # sizes this search ran, in order (known results are not re-run)
+    stopped: str = ""  # why the search stopped early: a probe that neither fit nor OOMed
+
+
+def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | None = None,
+           known_oom: int | None = None) -> Frontier:
+    """Bisection over `sizes` (ascending). probe(size) -> a cell status: "ok" fits, "oom" does not;
+    anything else (error, timeout, host_oom) stops the search and is reported."""
+    lo = max((i for i, s in enumerate(sizes) if known_ok is not None and s <= known_ok), default=-1)
+    hi = min((i for i, s in enumerate(sizes) if known_oom is not None and s >= known_oom), default=len(sizes))
+    probes = []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probes.append(sizes[mid])
+        status = probe(sizes[mid])
+        if status == "ok":
+            lo = mid
+        elif status == "oom":
+            hi = mid
+        else:
+            return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes), f"{status} at {sizes[mid]}")
+    return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes))
+
+
+def _at(sizes: Sequence[int], index: int) -> int | None:
+    return sizes[index] if 0 <= index < len(sizes) else None
+
+
+def max_probes(n_unknown: int) -> int:
+    """The most probes a search over n unknown candidates runs: ceil(log2(n + 1))."""
+    return max(n_unknown, 0).bit_length()
+
+
+# --- Running searches: each probe a cell, through the runner (fresh process, atomic row, resume) ---
+
+@dataclass(frozen=True)
+class FitPlan:
+    budgets_gib: tuple[float, ...]
+    max_batch: int = 64
+    seq_step: int = 1024  # sequence-length candidates at batch 1: seq_step, 2 * seq_step, ...
+    max_seq: int = 32768
+
+
+@dataclass
+class FrontierRun:
+    """The searches of one `bench fit` run; probes go through the runner into `opts.run_id`."""
+
+    matrix: MatrixSpec
+    host: HostCaps
+    plan: FitPlan
+    opts: runner.RunOptions
+    provenance: dict[str, Any]
+    progress: runner.Progress
+
+    def __post_init__(self) -> None:
+        self.rows = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # a resumed run's probes
+
+    def all(self) -> list[dict[str, Any]]:
+        """Per model x stack: the batch frontier at each of the matrix's sequence lengths, then the
+        sequence frontier at batch 1, each over the budgets. One summary row per search."""
+        out = []
+        for model in self.matrix.models:
+            for stack in self.matrix.stacks:
+                for seq in self.matrix.seq_lens:
+                    out += self.over_budgets(model, stack, "batch", seq)
+                out += self.over_budgets(model, stack, "seq", 1)
+        return out
+
+    def over_budgets(self, model: str, stack: Stack, axis: str, fixed: int) -> list[dict[str, Any]]:
+        plan = self.plan
+        sizes = (list(range(1, plan.max_batch + 1)) if axis == "batch"
+                 else list(range(plan.seq_step, plan.max_seq + 1, plan.seq_step)))
+        out, known_ok = [], None
+        for budget in sorted(plan.budgets_gib):  # what fits under a smaller budget fits under this one
+            def cell_for(size: int, budget: float = budget) -> Cell:
+                seq, batch = (fixed, size) if axis == "batch" else (size, fixed)
+                m = self.matrix
+                return Cell(m.name, model, seq, batch, stack, resolve_device(m, self.host), m.warmup_steps,
+                            m.measure_steps, m.seed, m.timeout_s, budget_gib=budget)
+
+            ran: list[int] = []
+
+            def probe(size: int, cell_for: Callable[[int], Cell] = cell_for, ran: list[int] = ran) -> str:
+                return self.probe(cell_for(size), ran, size)
+
+            found = search(sizes, probe, known_ok=known_ok)
+            known_ok = found.largest_ok
+            out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, ran, cell_for))
+        return out
+
+    def measured(self, cell_for: Callable[..., Cell], size: int, budget: float) -> tuple[dict[str, Any], float | None]:
+        """The row of `size` under this budget, or, when the size was known to fit from a smaller
+        budget and not probed here, under the largest smaller budget that ran it."""
+        for b in sorted((x for x in self.plan.budgets_gib if x <= budget), reverse=True):
+            row = self.rows.get(cell_for(size, b).row_key)
+            if row is not None:
+                return row, b
+        return {}, None
+
+    def probe(self, cell: Cell, ran: list[int], size: int) -> str:
+        if cell.row_key not in self.rows:  # a resumed search re-uses what its run already measured
+            reason = skip_reason(cell, self.matrix, self.host)
+            self.rows.update(runner.run([PlannedCell(cell, reason)], self.opts, self.provenance, self.progress))
+            ran.append(size)
+        return self.rows[cell.row_key]["status"]
+
+    def summary(self, model: str, stack: Stack, budget: float, axis: str, fixed: int, found: Frontier,
+                sizes: list[int], ran: list[int], cell_for: Callable[[int], Cell]) -> dict[str, Any]:
+        best, measured_under = self.measured(cell_for, found.largest_ok, budget) if found.largest_ok else ({}, None)
+        return {
+            "model": model, "stack": stack.label, "budget_gib": budget, "axis": axis,
+            "seq_len": fixed if axis == "batch" else found.largest_ok,
+            "batch_size": found.largest_ok if axis == "batch" else fixed,
+            "largest_ok": found.largest_ok, "smallest_oom": found.smallest_oom, "candidates_max": sizes[-1],
+            "probes": len(found.probes), "probes_run": len(ran), "stopped": found.stopped,
+            "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
+            "measured_under_gib": measured_under,  # budget of the row the figures below come from
+            **{k: best.get(k) for k in ("tokens_per_s", "peak_reserved_gib", "nvml_peak_gib", "allocator_cap_gib")},
+        }

@@ -1,0 +1,97 @@
+"""Fit frontier -> "fits on my GPU" markdown and a plot. Generated, never edited by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from . import results
+from .report import _rate
+
+
+def publish(summary: list[dict], probe_rows: list[dict], out_dir: Path, run_id: str) -> Path:
+    """results/MATRIX/fit/: RUN_ID.parquet (one row per search), RUN_ID-probes.parquet (every probe
+    cell, the suite's row schema), FIT.md and plots/RUN_ID_max_batch.png. Returns FIT.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(summary)
+    frame.to_parquet(out_dir / f"{run_id}.parquet")
+    results.write_parquet(probe_rows, out_dir / f"{run_id}-probes.parquet")
+    board = out_dir / "FIT.md"
+    board.write_text(markdown(frame, results.to_frame(probe_rows)))
+    plot(frame, out_dir / "plots" / f"{run_id}_max_batch.png")
+    return board
+
+
+def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
+    first = probes.iloc[0]
+    where = (f"{first['gpu_name']}, torch {first['torch_version']}" if first["device"] == "cuda"
+             else "CPU only: budgets are recorded but not enforced (no allocator to cap)")
+    lines = [f"# Fits on my GPU: `{first['matrix']}`", "",
+             f"- Run `{first['run_id']}` on {where}; {len(probes)} probe cells, "
+             f"{probes['wall_s'].sum() / 60:.1f} min of probe time",
+             "- A budget is emulated by capping torch's caching allocator at the budget minus the memory used "
+             "outside torch at start (the CUDA context). Not covered: memory allocated outside torch later "
+             "(NCCL, bitsandbytes paged optimizer state).",
+             "- Headroom = budget − device-level peak (NVML). Each search bisects the candidate sizes; "
+             "*probes* counts the sizes it needed, both sides of the boundary are probe rows in the parquet.", ""]
+    batch = summary[summary["axis"] == "batch"]
+    for (budget, seq), group in batch.groupby(["budget_gib", "seq_len"], sort=True):
+        lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch", "",
+                  "| rank | stack | largest batch | tokens/s there | device peak GiB | headroom GiB | smallest OOM | probes |",
+                  "|---|---|---|---|---|---|---|---|"]
+        fits = group[group["largest_ok"].notna()].sort_values("tokens_per_s", ascending=False)
+        for rank, (_, r) in enumerate(fits.iterrows(), 1):
+            lines.append(f"| {rank} | `{r['stack']}` | {int(r['largest_ok'])} | {_rate(r['tokens_per_s'])} | "
+                         f"{_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | {_int(r['smallest_oom'])} | "
+                         f"{r['probes']} |")
+        for _, r in group[group["largest_ok"].isna()].iterrows():
+            lines.append(f"| — | `{r['stack']}` | does not fit | | | | {_int(r['smallest_oom'])} | {r['probes']} |"
+                         + (f" {r['stopped']}" if r["stopped"] else ""))
+        lines.append("")
+    seq = summary[summary["axis"] == "seq"]
+    if len(seq):
+        lines += ["## Longest sequence at batch 1", "",
+                  "| budget GiB | stack | longest seq | smallest OOM seq | tokens/s | probes |", "|---|---|---|---|---|---|"]
+        for _, r in seq.sort_values(["budget_gib", "stack"]).iterrows():
+            lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} | "
+                         f"{_rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: pd.DataFrame, path: Path) -> Path | None:
+    """Largest batch per stack across budgets, one panel per sequence length."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    batch = summary[summary["axis"] == "batch"]
+    seqs = sorted(batch["seq_len"].unique())
+    fig, axes = plt.subplots(1, len(seqs), figsize=(5 * len(seqs), 4), squeeze=False)
+    for ax, seq in zip(axes[0], seqs, strict=True):
+        for stack, s in batch[batch["seq_len"] == seq].groupby("stack"):
+            s = s.sort_values("budget_gib")
+            ax.plot(s["budget_gib"], s["largest_ok"].fillna(0), marker="o", label=stack)
+        ax.set(title=f"seq {int(seq)}", xlabel="memory budget (GiB)", ylabel="largest batch that trains")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _gib(x: float | None) -> str:
+    return "" if x is None or pd.isna(x) else f"{x:.1f}"
+
+
+def _headroom(budget: float, device_peak: float | None) -> str:
+    return "" if device_peak is None or pd.isna(device_peak) else f"{budget - device_peak:.1f}"
+
+
+def _int(x: float | None) -> str:
+    return "" if x is None or pd.isna(x) else str(int(x))

@@ -1,0 +1,88 @@
+"""The fit search: probe-count bound, both sides of the boundary, use of what is already known."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from bench import fit
+
+
+def _prober(limit: int, log: list[int]):
+    def probe(size: int) -> str:
+        log.append(size)
+        return "ok" if size <= limit else "oom"
+    return probe
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 64, 100])
+def test_finds_the_boundary_within_the_probe_bound(n: int) -> None:
+    sizes = list(range(1, n + 1))
+    for limit in range(0, n + 1):  # 0: nothing fits; n: everything fits
+        log: list[int] = []
+        found = fit.search(sizes, _prober(limit, log))
+        assert found.largest_ok == (limit or None)
+        assert found.smallest_oom == (limit + 1 if limit < n else None)
+        assert len(log) <= fit.max_probes(n) == math.ceil(math.log2(n + 1))
+        assert found.probes == tuple(log)
+
+
+def test_known_results_narrow_the_search_and_are_not_rerun() -> None:
+    sizes = list(range(1, 65))
+    log: list[int] = []
+    found = fit.search(sizes, _prober(37, log), known_ok=32, known_oom=40)
+    assert (found.largest_ok, found.smallest_oom) == (37, 38)
+    assert all(32 < s < 40 for s in log) and len(log) <= fit.max_probes(7)
+
+
+def test_known_boundary_needs_no_probe() -> None:
+    found = fit.search([1, 2, 4, 8], _prober(0, []), known_ok=4, known_oom=8)
+    assert found == fit.Frontier(4, 8, ())
+
+
+def test_an_error_stops_the_search_and_says_where() -> None:
+    def probe(size: int) -> str:
+        return "error" if size == 8 else ("ok" if size < 8 else "oom")
+
+    found = fit.search(list(range(1, 16)), probe)
+    assert found.stopped == "error at 8" and found.probes == (8,)
+    assert (found.largest_ok, found.smallest_oom) == (None, None)
+
+
+FIT = """
+matrices:
+  f:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1]
+    stacks: ["fault(mode=oom, over_tokens=160)"]
+    steps: {warmup: 1, measure: 1}
+    timeout_s: 120
+"""
+
+
+@pytest.mark.timeout(900)
+def test_fit_end_to_end_with_a_simulated_memory_limit(workdir) -> None:
+    """Real probe processes; the `fault` technique OOMs above 160 tokens, standing in for a budget."""
+    from conftest import raw_rows, run_bench, write_matrix
+
+    write_matrix(workdir, FIT)
+    args = ("fit", "f", "--budgets", "1,2", "--max-batch", "8", "--seq-step", "32", "--max-seq", "256", "--run-id", "fit")
+    proc = run_bench(workdir, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = pd.read_parquet(workdir / "results" / "f" / "fit" / "fit.parquet").set_index(["axis", "budget_gib"])
+    assert summary.loc[("batch", 1.0), ["largest_ok", "smallest_oom"]].tolist() == [5, 6]
+    assert summary.loc[("seq", 1.0), ["largest_ok", "smallest_oom"]].tolist() == [160, 192]
+    assert summary.loc[("batch", 1.0), "probes"] <= fit.max_probes(8)
+    # the larger budget starts from what fit under the smaller: only sizes above 5 are probed
+    assert summary.loc[("batch", 2.0), "probes"] <= fit.max_probes(3)
+    rows = {(r["budget_gib"], r["seq_len"], r["batch_size"]): r["status"] for r in raw_rows(workdir, "fit").values()}
+    assert rows[(1.0, 32, 5)] == "ok" and rows[(1.0, 32, 6)] == "oom"  # both sides of the boundary are rows
+    board = (workdir / "results" / "f" / "fit" / "FIT.md").read_text()
+    assert "## 1 GiB · seq 32: largest batch" in board and "| 1 | `fault(mode=oom, over_tokens=160)` | 5 |" in board
+
+    again = run_bench(workdir, *args)  # resumed: every probe is already a row
+    assert again.returncode == 0 and "0 probes run now" in again.stdout
