@@ -26,7 +26,9 @@ def config(uses: list[tuple[Technique, dict[str, Any]]], setup: TrainSetup, batc
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": setup.lr, "torch_adam": True}},
+        # torch AdamW's implementation pinned (DeepSpeed passes only `foreach` through): the same
+        # multi-tensor update on every host, never torch's device-dependent default
+        "optimizer": {"type": "AdamW", "params": {"lr": setup.lr, "torch_adam": True, "foreach": True}},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
     }
