@@ -35,6 +35,7 @@ class Cell:
     timeout_s: float
     repeat: int = 0  # k-th run of the same cell in a fresh process; not part of cell_id
     budget_gib: float | None = None  # emulated memory budget (bench fit); None: the whole card
+    checkpoint: str = "none"  # none | model | full: a measured checkpoint save after the last step
 
     @property
     def group(self) -> tuple[str, int, str, float | None]:
@@ -58,6 +59,8 @@ class Cell:
         if self.budget_gib is not None:  # only then: ids of cells without a budget stay as published
             key["budget_gib"] = self.budget_gib
             budget = f"_m{self.budget_gib:g}g"
+        if self.checkpoint != "none":  # likewise
+            key["checkpoint"] = self.checkpoint
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
         stack_slug = re.sub(r"[^A-Za-z0-9+._-]+", "-", self.stack.label.replace(" ", "")).strip("-")
         return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}{budget}_{digest}"
@@ -83,6 +86,7 @@ class Cell:
             "seed": self.seed,
             "timeout_s": self.timeout_s,
             "budget_gib": self.budget_gib,
+            "checkpoint": self.checkpoint,
         }
 
 
@@ -103,7 +107,7 @@ def expand(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> li
     device = resolve_device(matrix, host)
     cells = [
         Cell(matrix.name, model, seq, batch, stack, device, matrix.warmup_steps,
-             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat)
+             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat, checkpoint=matrix.checkpoint)
         for model in matrix.models
         for seq in matrix.seq_lens
         for stack in matrix.stacks

@@ -114,12 +114,18 @@ class PhaseTracker:
     def summary(self) -> dict[str, Any]:
         if not self.peaks:
             return {}
-        steady = [v for k, v in self.peaks.items() if k.startswith("measure/")]
-        top = max(self.peaks, key=lambda k: self.peaks[k][0])
+        # The checkpoint save is reported on its own (checkpoint_peak_*): peak_* stays "training".
+        training = {k: v for k, v in self.peaks.items() if not k.startswith("checkpoint/")} or self.peaks
+        steady = [v for k, v in training.items() if k.startswith("measure/")]
+        saving = [v for k, v in self.peaks.items() if k.startswith("checkpoint/")]
+        top = max(training, key=lambda k: training[k][0])
         out: dict[str, Any] = {"peak_phase": top}
         for i, name in enumerate(("allocated", "reserved", "active")):
-            out[f"peak_{name}_gib"] = max(v[i] for v in self.peaks.values()) / GIB
+            out[f"peak_{name}_gib"] = max(v[i] for v in training.values()) / GIB
             out[f"steady_peak_{name}_gib"] = max(v[i] for v in steady) / GIB if steady else None
+        if saving:
+            out["checkpoint_peak_allocated_gib"] = max(v[0] for v in saving) / GIB
+            out["checkpoint_peak_reserved_gib"] = max(v[1] for v in saving) / GIB
         return out
 
 

@@ -44,6 +44,7 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
     for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
         lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
     lines += _repeatability(frame)
+    lines += _checkpoints(frame, mem_col)
     lines += _not_ok(runs.sort_values(["model", "seq_len", "stack", "batch_size"], kind="stable"))
     return "\n".join(lines).rstrip() + "\n"
 
@@ -139,6 +140,24 @@ def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str)
 
 def _distinct(values: pd.Series) -> list[str]:
     return sorted({str(v) for v in values.dropna()})
+
+
+def _checkpoints(frame: pd.DataFrame, mem_col: str) -> list[str]:
+    """Cells that measured a checkpoint save after their last step."""
+    saved = frame[(frame["checkpoint"].fillna("none") != "none") & (frame["status"] == "ok")]
+    if saved.empty:
+        return []
+    save_col = "checkpoint_peak_reserved_gib" if mem_col == "peak_reserved_gib" else None
+    lines = ["## Checkpoint save", "",
+             "Saved after the last step (`model`: the exported weights, adapters only for LoRA; `full`: model + "
+             "optimizer state). On the GPU the save's own peak is shown beside training's; on the CPU only the "
+             "process's overall RSS peak exists.", "",
+             "| cell | saved | training peak GiB | save peak GiB | save s | on disk GiB |", "|---|---|---|---|---|---|"]
+    for _, r in saved.iterrows():
+        save_peak = _num(r[save_col]) if save_col and pd.notna(r[save_col]) else ""
+        lines.append(f"| `{r['cell_id']}` | {r['checkpoint']} | {_num(r[mem_col])} | {save_peak} | "
+                     f"{r['checkpoint_s']:.2f} | {r['checkpoint_disk_gib']:.4f} |")
+    return [*lines, ""]
 
 
 def _repeatability(frame: pd.DataFrame) -> list[str]:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 3  # 2: repeat; 3: budget_gib, allocator_cap_gib
+SCHEMA_VERSION = 4  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -38,6 +38,7 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("seed", "int", "seed of weights and tokens"),
     ("budget_gib", "float", "memory budget emulated for this cell (bench fit), GiB; empty: the whole card"),
     ("allocator_cap_gib", "float", "cap on torch's caching allocator: budget - memory used outside torch, GiB"),
+    ("checkpoint", "str", "none | model | full: what was saved after the last step (checkpoint_* columns)"),
     ("status", "str", "ok | oom | host_oom | skipped | error | timeout"),
     ("oom_phase", "str", "for oom: stage/phase it happened in (build, first_step/backward, ...)"),
     ("skip_reason", "str", "for skipped: why (a requirement, a rule, or pruned after an OOM)"),
@@ -54,6 +55,10 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("steady_peak_reserved_gib", "float", "peak reserved during the measured steps only, GiB"),
     ("steady_peak_active_gib", "float", "peak active during the measured steps only, GiB"),
     ("peak_phase", "str", "stage/phase of the overall allocated peak"),
+    ("checkpoint_peak_allocated_gib", "float", "peak allocated during the checkpoint save (not in peak_*), GiB"),
+    ("checkpoint_peak_reserved_gib", "float", "peak reserved during the checkpoint save (not in peak_*), GiB"),
+    ("checkpoint_s", "float", "wall time of the checkpoint save, s"),
+    ("checkpoint_disk_gib", "float", "size of the saved checkpoint on disk, GiB"),
     ("nvml_peak_gib", "float", "device used memory peak (NVML, 10 ms sampling) minus the used memory before CUDA started, GiB"),
     ("host_rss_peak_gib", "float", "peak resident memory of the worker process, GiB"),
     ("alloc_retries", "int", "allocator retries (cudaMalloc failed, cache flushed, retried)"),

@@ -15,6 +15,8 @@
         repeats: int               # runs of each cell, each in a fresh process (the spread is reported)
         prune_after_oom: bool      # after an OOM at batch b, skip larger batches of that model/seq/stack
         exclude: [{model: .., seq_len: .., batch_size: .., stack: ..}]   # any subset of these keys
+        checkpoint: none | model | full   # after the last step, save the model (model) or model +
+                                          # optimizer state (full) and measure that phase
         ladder: [baseline, gc, gc + liger, ...]   # stacks of this matrix, each adding to the one before:
                                                   # the leaderboard's cumulative ladder table
 """
@@ -32,10 +34,11 @@ from . import models
 from .stacks import Stack, StackError, parse_stack
 
 DEVICES = ("auto", "cpu", "cuda")
+CHECKPOINTS = ("none", "model", "full")
 _TOP_KEYS = {"defaults", "matrices"}
 _MATRIX_KEYS = {
     "description", "device", "models", "seq_lens", "batch_sizes", "stacks", "steps",
-    "timeout_s", "seed", "repeats", "prune_after_oom", "exclude", "ladder",
+    "timeout_s", "seed", "repeats", "prune_after_oom", "exclude", "ladder", "checkpoint",
 }
 _REQUIRED = ("models", "seq_lens", "batch_sizes", "stacks")
 _EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack"}
@@ -60,8 +63,9 @@ class MatrixSpec:
     seed: int
     prune_after_oom: bool
     exclude: tuple[tuple[tuple[str, Any], ...], ...]  # each rule: sorted (key, value) pairs
-    ladder: tuple[str, ...] = ()
-    repeats: int = 1  # stack labels, each rung adding techniques to the one before
+    ladder: tuple[str, ...] = ()  # stack labels, each rung adding techniques to the one before
+    repeats: int = 1
+    checkpoint: str = "none"  # none | model | full: measure a checkpoint save after the last step
 
 
 def load(path: str | Path) -> dict[str, MatrixSpec]:
@@ -122,6 +126,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         exclude=tuple(_exclude_rule(r, f"{where}.exclude[{i}]") for i, r in enumerate(body.get("exclude") or [])),
         ladder=_ladder(body.get("ladder") or [], stacks, f"{where}.ladder"),
         repeats=_int(body.get("repeats", 1), f"{where}.repeats", minimum=1),
+        checkpoint=_choice(body.get("checkpoint", "none"), CHECKPOINTS, f"{where}.checkpoint"),
     )
 
 
@@ -136,6 +141,12 @@ def _ladder(rungs: Any, stacks: tuple[Stack, ...], where: str) -> tuple[str, ...
         if i and not set(parsed[i - 1].uses) < set(rung.uses):
             raise SpecError(f"{where}[{i}]: {rung.label!r} does not add to the rung before it ({parsed[i - 1].label!r})")
     return tuple(r.label for r in parsed)
+
+
+def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise SpecError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+    return value
 
 
 def _model(name: Any, where: str) -> str:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from . import data, measure, models, results
+from . import data, measure, models, results, saving
 from .measure import GIB
 from .techniques import REGISTRY, Technique, TrainSetup
 
@@ -110,6 +112,8 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
     batches = data.token_batches(vocab_size, cell["batch_size"], cell["seq_len"], steps,
                                  cell["seed"], cell["device"])
     losses, step_s = _loop(model, optimizer, batches, setup, tracker, cell)
+    if cell.get("checkpoint", "none") != "none":
+        out.update(_checkpoint(model, optimizer, cell["checkpoint"], tracker, cell["device"] == "cuda"))
     states = innermost_optimizer(optimizer).state.values()
     out["optimizer_state_gib"] = measure.tensor_gib(t for state in states for t in state.values() if torch.is_tensor(t))
     tokens_per_step = cell["batch_size"] * cell["seq_len"]
@@ -121,6 +125,25 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
         "tokens_per_s": tokens_per_step * len(step_s) / measured_s,
         **measure.step_time_stats(step_s),
     }
+
+
+def _checkpoint(model: Any, optimizer: Any, kind: str, tracker: measure.PhaseTracker, cuda: bool) -> dict[str, Any]:
+    """Saves after the last step into a temporary folder ($BENCH_CHECKPOINT_DIR, else the system's),
+    measured as the 'checkpoint/save' phase; the files are deleted afterwards."""
+    import torch
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_CHECKPOINT_DIR"), prefix="bench-ckpt-") as tmp:
+        if cuda:
+            torch.cuda.synchronize()
+        tracker.enter("checkpoint/save")
+        start = time.perf_counter()
+        saving.save(model, optimizer, kind, Path(tmp))
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tracker.close()
+        disk_gib = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / GIB
+    return {"checkpoint_s": seconds, "checkpoint_disk_gib": disk_gib}
 
 
 def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:

@@ -142,3 +142,47 @@ def test_quantized_bases_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) 
     saved = rows["lora"]["weights_gib"] - rows["int8_lora"]["weights_gib"]
     assert saved == pytest.approx(linear_weights * 1.0 / 2**30, rel=0.02)
     assert list((workdir / "cache" / "checkpoints").iterdir())  # the random checkpoint, reused by every cell
+
+
+SAVES = """
+matrices:
+  save_full:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [baseline, lora, zero2, zero3]
+    steps: {warmup: 1, measure: 2}
+    checkpoint: full
+  save_model:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [baseline, lora, zero3]
+    steps: {warmup: 1, measure: 2}
+    checkpoint: model
+"""
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_save_is_measured(workdir: Path) -> None:
+    """Real saves after the last step: model-only vs full state, plain torch and DeepSpeed (ZeRO-3
+    gathers its shards for the model-only save); sizes on disk follow what each keeps."""
+    pytest.importorskip("deepspeed")
+    write_matrix(workdir, SAVES)
+    for matrix in ("save_full", "save_model"):
+        proc = run_bench(workdir, "run", matrix, "--run-id", matrix, "--prefork", "on")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    disk = {}
+    for matrix in ("save_full", "save_model"):
+        for row in raw_rows(workdir, matrix).values():
+            assert row["status"] == "ok", row["error"]
+            assert row["checkpoint"] == matrix.removeprefix("save_") and row["checkpoint_s"] > 0
+            disk[(matrix, row["stack"])] = row["checkpoint_disk_gib"]
+    assert disk[("save_model", "baseline")] == pytest.approx(disk[("save_model", "zero3")], rel=0.05)
+    assert disk[("save_model", "lora")] < 0.5 * disk[("save_model", "baseline")]  # adapters only
+    assert disk[("save_full", "baseline")] > 2.5 * disk[("save_model", "baseline")]  # + two bf16 Adam moments
+    assert disk[("save_full", "zero2")] > 5 * disk[("save_model", "baseline")]  # + fp32 master and moments
+    board = (workdir / "results" / "save_full" / "LEADERBOARD.md").read_text()
+    assert "## Checkpoint save" in board and "| full |" in board

@@ -14,7 +14,8 @@ OWNED_BY_ENGINE = ("mixed", "adamw", "adamw8bit", "paged_adamw8bit")
 
 def technique(stage: int, summary: str) -> Technique:
     def fragment(opts: Options) -> dict[str, Any]:
-        return {"zero_optimization": {"stage": stage},
+        # stage3_gather_16bit_weights_on_model_save: a model-only checkpoint save gathers the shards
+        return {"zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
                 "optimizer": {"params": {"torch_adam": opts["adam"] == "torch"}}}
 
     def configure(setup: TrainSetup, opts: Options) -> TrainSetup:
