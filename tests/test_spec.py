@@ -33,6 +33,7 @@ def test_the_shipped_matrix_file_loads() -> None:
     ("seq_lens: [32]", "seq_lens: [0]", "matrices.m.seq_lens"),
     ("seq_lens: [32]", "seq_lens: [thirty]", "matrices.m.seq_lens"),
     ("device: cpu", "device: tpu", "matrices.m.device"),
+    ("device: cpu", "device: cpu\n    checkpoint: sometimes", "matrices.m.checkpoint: 'sometimes' is not one of none"),
     ("models: [tiny-llama]", "models: [tiny-lama]", "tiny-llama"),
     ("stacks: [baseline, gc + lora(r=8)]", "stacks: [baseline, gc + lorra]", "lora"),
     ("stacks: [baseline, gc + lora(r=8)]", "stacks: [lora(rank=8)]", "rank"),
