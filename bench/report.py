@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from .results import by_cell
+from .results import by_cell, read_parquet
 from .stacks import BASELINE
 
 
@@ -220,11 +220,11 @@ def publish(parquet: Path, ladder: tuple[str, ...] = ()) -> tuple[Path, Path]:
     from .plots import write_plots
 
     run_board = parquet.with_suffix(".md")
-    run_frame = pd.read_parquet(parquet)
+    run_frame = read_parquet(parquet)
     run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder))
     matrix_dir = parquet.parent.parent
     headline = headline_run(matrix_dir)
-    frame = pd.read_parquet(headline)
+    frame = read_parquet(headline)
     plots = write_plots(frame, matrix_dir / "plots")
     board = matrix_dir / "LEADERBOARD.md"
     board.write_text(leaderboard(frame, reproduce_command(frame), ladder,

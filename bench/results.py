@@ -170,9 +170,13 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def read_parquet(path: Path):
+    """A run's table, with any column a newer schema added filled as empty: tables published under
+    an older schema version stay readable by the current reports."""
     import pandas as pd
 
-    return pd.read_parquet(path)
+    frame = pd.read_parquet(path)
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    return frame.assign(**{c: pd.NA for c in missing}) if missing else frame
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))

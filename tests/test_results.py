@@ -66,3 +66,13 @@ def test_repeats_fold_into_one_row_per_cell() -> None:
     assert cells.loc["a", "peak_spread"] == pytest.approx(0.01)
     assert cells.loc["a", "tokens_per_s_cv"] == pytest.approx(pd.Series([100.0, 110.0, 90.0]).std(ddof=0) / 100)
     assert cells.loc["b", "repeats"] == 0 and cells.loc["b", "status"] == "oom"
+
+
+def test_tables_of_an_older_schema_stay_readable(tmp_path: Path) -> None:
+    import pandas as pd
+
+    path = tmp_path / "old.parquet"
+    pd.DataFrame([{"run_id": "r", "cell_id": "c", "status": "ok"}]).to_parquet(path)
+    frame = results.read_parquet(path)
+    assert list(frame.columns)[:3] == ["run_id", "cell_id", "status"] and set(results.COLUMNS) <= set(frame.columns)
+    assert frame["checkpoint"].isna().all()
