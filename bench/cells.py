@@ -1,4 +1,4 @@
-"""Cells: one (model, sequence length, batch size, stack) of a matrix, with a stable id.
+"""Cells: one (model, sequence length, batch size, stack, GPU count) of a matrix, with a stable id.
 
 A plan is every cell of a matrix in run order, each either runnable or skipped with the reason.
 Run order groups (model, seq_len, stack) and walks batch sizes upwards, so that an OOM at batch b
@@ -36,11 +36,12 @@ class Cell:
     repeat: int = 0  # k-th run of the same cell in a fresh process; not part of cell_id
     budget_gib: float | None = None  # emulated memory budget (bench fit); None: the whole card
     checkpoint: str = "none"  # none | model | full: a measured checkpoint save after the last step
+    gpus: int = 1  # ranks (one process and one GPU each); batch_size is per rank
 
     @property
-    def group(self) -> tuple[str, int, str, float | None]:
+    def group(self) -> tuple[str, int, str, float | None, int]:
         """Cells that differ only in batch size: the unit of OOM pruning."""
-        return (self.model, self.seq_len, self.stack.label, self.budget_gib)
+        return (self.model, self.seq_len, self.stack.label, self.budget_gib, self.gpus)
 
     @property
     def cell_id(self) -> str:
@@ -61,9 +62,13 @@ class Cell:
             budget = f"_m{self.budget_gib:g}g"
         if self.checkpoint != "none":  # likewise
             key["checkpoint"] = self.checkpoint
+        gpus = ""
+        if self.gpus != 1:  # likewise
+            key["gpus"] = self.gpus
+            gpus = f"_g{self.gpus}"
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
         stack_slug = re.sub(r"[^A-Za-z0-9+._-]+", "-", self.stack.label.replace(" ", "")).strip("-")
-        return f"{self.model}_s{self.seq_len}_b{self.batch_size}_{stack_slug}{budget}_{digest}"
+        return f"{self.model}_s{self.seq_len}_b{self.batch_size}{gpus}_{stack_slug}{budget}_{digest}"
 
     @property
     def row_key(self) -> str:
@@ -87,6 +92,7 @@ class Cell:
             "timeout_s": self.timeout_s,
             "budget_gib": self.budget_gib,
             "checkpoint": self.checkpoint,
+            "gpus": self.gpus,
         }
 
 
@@ -107,8 +113,9 @@ def expand(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> li
     device = resolve_device(matrix, host)
     cells = [
         Cell(matrix.name, model, seq, batch, stack, device, matrix.warmup_steps,
-             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat, checkpoint=matrix.checkpoint)
+             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat, checkpoint=matrix.checkpoint, gpus=gpus)
         for model in matrix.models
+        for gpus in matrix.gpus
         for seq in matrix.seq_lens
         for stack in matrix.stacks
         for batch in sorted(matrix.batch_sizes)
@@ -129,11 +136,15 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
     """Why this cell cannot run here, or None. Checked before anything runs."""
     for i, rule in enumerate(matrix.exclude):
         values = {"model": cell.model, "seq_len": cell.seq_len, "batch_size": cell.batch_size,
-                  "stack": cell.stack.label}
+                  "stack": cell.stack.label, "gpus": cell.gpus}
         if all(values[k] == v for k, v in rule):
             return f"excluded by {matrix.name}.exclude[{i}]"
     if cell.device == "cuda" and host.cuda_devices == 0:
         return "needs a CUDA GPU: none is visible on this machine"
+    if cell.device == "cuda" and cell.gpus > host.cuda_devices:
+        return f"needs {cell.gpus} GPUs: {host.cuda_devices} visible on this machine"
+    if cell.gpus > 1 and not any(u.technique.slot == "engine" for u in cell.stack.uses):
+        return f"{cell.gpus} GPUs need a sharding engine in the stack (fsdp, zero2, zero3): plain data parallel is not measured"
     family = models.get(cell.model).family
     for use in cell.stack.uses:
         t = use.technique

@@ -64,7 +64,9 @@ def host_rss_peak_gib() -> float:
 
 
 def tensor_gib(tensors: Any) -> float:
-    return sum(t.numel() * t.element_size() for t in tensors) / GIB
+    """Bytes held by these tensors in this process; a sharded DTensor (FSDP) counts its local shard."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local) / GIB
 
 
 def step_time_stats(step_s: list[float]) -> dict[str, float]:
@@ -145,10 +147,13 @@ class NvmlSampler:
         self._thread.start()
 
     def _visible_device_handle(self) -> Any:
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-        if first.isdigit():
-            return self._nvml.nvmlDeviceGetHandleByIndex(int(first))
-        return self._nvml.nvmlDeviceGetHandleByUUID(first)
+        """This rank's GPU: entry LOCAL_RANK of CUDA_VISIBLE_DEVICES (an index or a UUID)."""
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        mine = visible.split(",")[local_rank].strip() if visible else str(local_rank)
+        if mine.isdigit():
+            return self._nvml.nvmlDeviceGetHandleByIndex(int(mine))
+        return self._nvml.nvmlDeviceGetHandleByUUID(mine)
 
     def _used(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)

@@ -28,7 +28,8 @@ def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     mem_col, _ = memory_column(frame)
     cells = by_cell(frame)
-    ok = cells[cells["status"] == "ok"]
+    # One-GPU cells only: a multi-GPU cell's per-GPU peak and all-GPU tokens/s do not share these axes.
+    ok = cells[(cells["status"] == "ok") & (cells["gpus"] == 1)]
     written = []
     for model, group in ok.groupby("model"):
         written += [

@@ -1,7 +1,8 @@
 """Parquet -> markdown leaderboard. Generated, never edited by hand.
 
-Per model and sequence length, one row per stack: peak memory and tokens/s for each batch size,
-the largest batch that ran, and the change against the baseline at the largest batch both ran.
+Per model, sequence length and GPU count, one row per stack: peak memory and tokens/s for each
+batch size, the largest batch that ran, and the change against the baseline at the largest batch
+both ran.
 OOM and skipped cells stay visible in the grid and are listed with their reasons below it.
 """
 
@@ -38,11 +39,14 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
              "`skip`: not run (reasons below); empty: not part of this run. `(NVML x)`: the device-level peak, "
              f"shown where it exceeds the allocator's by more than {UNSEEN_BY_TORCH_GIB:g} GiB (memory torch does not see, "
              "e.g. paged optimizer state). *vs baseline*: change against the baseline stack at the "
-             "largest batch size both ran.", ""]
+             "largest batch size both ran. `(useful x)`: non-padding tokens/s, shown where padding makes it "
+             "differ. Several GPUs: batch and peak are per GPU (peak = max over ranks), tokens/s is all GPUs "
+             "together.", ""]
     if plots:
         lines += ["Plots: " + " · ".join(f"[{Path(p).stem}]({p})" for p in plots), ""]
-    for (model, seq), group in frame.groupby(["model", "seq_len"], sort=True):
-        lines += [f"## {model} · seq {seq}", "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
+    for (model, seq, gpus), group in frame.groupby(["model", "seq_len", "gpus"], sort=True):
+        title = f"## {model} · seq {seq}" + (f" · {gpus} GPUs" if gpus > 1 else "")
+        lines += [title, "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
     lines += _repeatability(frame)
     lines += _checkpoints(frame, mem_col)
     lines += _not_ok(runs.sort_values(["model", "seq_len", "stack", "batch_size"], kind="stable"))
@@ -117,7 +121,9 @@ def _cell(row: pd.Series, mem_col: str) -> str:
         nvml = row.get("nvml_peak_gib")
         unseen = mem_col == "peak_reserved_gib" and pd.notna(nvml) and nvml - row[mem_col] > UNSEEN_BY_TORCH_GIB
         device = f" (NVML {_num(nvml)})" if unseen else ""
-        return f"{_num(row[mem_col])} GiB{device} · {_rate(row['tokens_per_s'])}"
+        useful = row.get("useful_tokens_per_s")
+        padded = f" (useful {_rate(useful)})" if pd.notna(useful) and useful < 0.999 * row["tokens_per_s"] else ""
+        return f"{_num(row[mem_col])} GiB{device} · {_rate(row['tokens_per_s'])}{padded}"
     if row["status"] == "oom":
         return f"OOM ({row['oom_phase']})"
     if row["status"] == "skipped":

@@ -6,7 +6,9 @@ Layout under the results directory:
     <matrix>/runs/<run_id>.parquet   all rows of a run, collected from raw/
     <matrix>/LEADERBOARD.md          generated from the newest run's parquet
 
-Memory is in GiB (2^30 bytes), times in ms or s as named, throughput in tokens/s.
+Memory is in GiB (2^30 bytes), times in ms or s as named, throughput in tokens/s. Memory of a
+multi-GPU cell is per GPU, the max over its ranks (each rank's figures are in per_rank_json);
+throughput is all ranks together (and per GPU in tokens_per_s_per_gpu).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 4  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns
+SCHEMA_VERSION = 5  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -29,7 +31,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("matrix", "str", "matrix name in matrix.yaml"),
     ("model", "str", "model registry name (bench/model_configs/<model>.json)"),
     ("seq_len", "int", "tokens per sequence"),
-    ("batch_size", "int", "sequences per optimizer step (micro-batch)"),
+    ("batch_size", "int", "sequences per optimizer step and rank (micro-batch of each GPU)"),
+    ("gpus", "int", "ranks of the cell, one process and one GPU each (on a CPU host: gloo processes)"),
     ("stack", "str", "technique stack label; 'baseline' = pure bf16 + fused AdamW + sdpa"),
     ("stack_json", "str", "every technique of the stack with all options resolved (JSON)"),
     ("device", "str", "cuda or cpu"),
@@ -63,9 +66,12 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("host_rss_peak_gib", "float", "peak resident memory of the worker process, GiB"),
     ("alloc_retries", "int", "allocator retries (cudaMalloc failed, cache flushed, retried)"),
     ("allocator_ooms", "int", "OOMs the allocator raised"),
-    ("tokens_per_step", "int", "batch_size * seq_len"),
-    ("measured_s", "float", "sum of measured step times, s"),
-    ("tokens_per_s", "float", "tokens in measured steps / measured_s"),
+    ("tokens_per_step", "int", "batch_size * seq_len * gpus: token positions per optimizer step, padding included"),
+    ("useful_tokens_per_step", "float", "non-padding tokens per optimizer step (mean over measured steps), all ranks"),
+    ("measured_s", "float", "sum of measured step times, s (the slowest rank's)"),
+    ("tokens_per_s", "float", "tokens in measured steps / measured_s, all ranks together"),
+    ("useful_tokens_per_s", "float", "non-padding tokens in measured steps / measured_s, all ranks together"),
+    ("tokens_per_s_per_gpu", "float", "tokens_per_s / gpus"),
     ("step_ms_p10", "float", "10th percentile of measured step times (CUDA events on GPU), ms"),
     ("step_ms_p50", "float", "median measured step time, ms"),
     ("step_ms_p90", "float", "90th percentile of measured step times, ms"),
@@ -75,7 +81,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("total_params", "int", "parameters of the model as trained (adapters included)"),
     ("trainable_params", "int", "parameters with requires_grad"),
     ("evidence_json", "str", "what each technique reported when applied (JSON): proof that it applied"),
-    ("losses_json", "str", "the loss of every step, warm-up first (JSON list)"),
+    ("losses_json", "str", "the loss of every step, warm-up first, mean over ranks (JSON list)"),
+    ("per_rank_json", "str", "multi-GPU cells: each rank's memory counters and time (JSON list, rank order)"),
     ("gpu_name", "str", "first visible GPU (NVML)"),
     ("gpu_count", "int", "visible GPUs"),
     ("gpu_memory_gib", "float", "total memory of the GPU, GiB"),
@@ -101,6 +108,11 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 def row_key(cell_id: str, repeat: int | None) -> str:
     """A row's name (and its raw file's): the cell id, with `.rK` for repeats after the first."""
     return f"{cell_id}.r{repeat}" if repeat else cell_id
+
+
+def rank_path(out: Path, rank: int) -> Path:
+    """Where rank `rank` of a torchrun cell writes its row, next to the cell's `out`."""
+    return out.with_name(f"{out.name}.rank{rank}")
 
 
 def check_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +153,13 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     from .measure import peak_bf16_flops
 
     row = dict(row)
+    gpus = row.get("gpus") or 1  # rows before schema 5: one GPU
     peak_flops = peak_bf16_flops(row.get("gpu_name")) if row.get("device") == "cuda" else None
     if row.get("mfu") is None and peak_flops and row.get("tokens_per_s") and row.get("flops_per_token"):
-        row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak_flops
+        row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / (peak_flops * gpus)
+    if (row.get("schema_version") or 0) < 5:  # one rank, full rows of real tokens: every token was useful
+        row.update(gpus=1, useful_tokens_per_s=row.get("tokens_per_s"), tokens_per_s_per_gpu=row.get("tokens_per_s"),
+                   useful_tokens_per_step=row.get("tokens_per_step"))
     return row
 
 
@@ -170,13 +186,14 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def read_parquet(path: Path):
-    """A run's table, with any column a newer schema added filled as empty: tables published under
-    an older schema version stay readable by the current reports."""
+    """A run's table in the current schema: tables published under an older schema version stay
+    readable by the current reports (columns added since are derived where they can be, else empty)."""
     import pandas as pd
 
     frame = pd.read_parquet(path)
-    missing = [c for c in COLUMNS if c not in frame.columns]
-    return frame.assign(**{c: pd.NA for c in missing}) if missing else frame
+    rows = [{k: None if v is pd.NA or v is None or v != v else v for k, v in r.items()}  # v != v: NaN
+            for r in frame.to_dict("records")]
+    return to_frame(rows)
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))

@@ -8,12 +8,14 @@
 - After an OOM at batch b, larger batches of the same model/seq/stack are recorded as skipped.
 - With `prefork`, the next cell's worker is started while the current one runs: it imports torch
   and transformers (seconds) and waits, untouched by CUDA, until its cell is handed over.
+- A cell of several GPUs runs under torchrun (one worker per rank, the request in a file); its
+  ranks' rows are merged into one (bench/ranks.py). torchrun's rendezvous is what would carry a
+  cell across nodes; here every cell runs on this host (--standalone).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import fnmatch
 import json
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from . import results
+from . import distributed, ranks, results
 from .cells import Cell, PlannedCell
 from .envinfo import REPO
 
@@ -74,11 +76,12 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
             if reason:
                 row = _base_row(cell, opts, provenance) | {"status": "skipped", "skip_reason": reason}
             else:
-                worker = spare if spare is not None and spare.cell == cell else _spawn(cell, raw_dir)
+                request = _request(cell, opts, provenance, raw_dir)
+                worker = spare if spare is not None and spare.cell == cell else _spawn(cell, raw_dir, request)
                 if spare is not worker:
                     _discard(spare)
                 nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
-                spare, row = _finish(worker, opts, provenance, raw_dir, next_cell=nxt)
+                spare, row = _finish(worker, request, raw_dir, next_cell=nxt)
             results.write_atomic(raw_dir / f"{cell.row_key}.json", row)
             rows[cell.row_key] = row
             if row["status"] == "oom":
@@ -96,16 +99,19 @@ def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) 
     return key not in rows or rows[key]["status"] in opts.redo or "all" in opts.redo
 
 
-def _oom_batches(rows: Any) -> dict[tuple[str, int, str, float | None], int]:
-    smallest: dict[tuple[str, int, str, float | None], int] = {}
+Group = tuple[str, int, str, float | None, int]  # Cell.group
+
+
+def _oom_batches(rows: Any) -> dict[Group, int]:
+    smallest: dict[Group, int] = {}
     for r in rows:
         if r["status"] == "oom":
-            group = (r["model"], r["seq_len"], r["stack"], r.get("budget_gib"))
+            group = (r["model"], r["seq_len"], r["stack"], r.get("budget_gib"), r.get("gpus") or 1)
             smallest[group] = min(r["batch_size"], smallest.get(group, r["batch_size"]))
     return smallest
 
 
-def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str, float | None], int], opts: RunOptions) -> str | None:
+def _pruned(cell: Cell, oom_batch: dict[Group, int], opts: RunOptions) -> str | None:
     b = oom_batch.get(cell.group)
     # Repeats of a cell that OOMed would OOM again: they are pruned with the larger batches.
     if opts.prune_after_oom and b is not None and (cell.batch_size > b or (cell.repeat and cell.batch_size == b)):
@@ -116,7 +122,7 @@ def _pruned(cell: Cell, oom_batch: dict[tuple[str, int, str, float | None], int]
 def _next_runnable(rest: list[PlannedCell], oom_batch: dict, opts: RunOptions) -> Cell | None:
     for pc in rest:
         if not pc.skip_reason and not _pruned(pc.cell, oom_batch, opts):
-            return pc.cell
+            return pc.cell if pc.cell.gpus == 1 else None  # torchrun starts its ranks itself, on the cell
     return None
 
 
@@ -127,7 +133,7 @@ def _base_row(cell: Cell, opts: RunOptions, provenance: dict[str, Any]) -> dict[
         "schema_version": results.SCHEMA_VERSION,
         "run_id": opts.run_id,
         **{k: c[k] for k in ("cell_id", "repeat", "budget_gib", "checkpoint", "matrix", "model", "seq_len",
-                             "batch_size", "stack", "device", "warmup_steps", "measure_steps", "seed")},
+                             "batch_size", "gpus", "stack", "device", "warmup_steps", "measure_steps", "seed")},
         "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "rerun_cmd": f"python -m bench run {cell.matrix} --run-id {opts.run_id} --only '{cell.cell_id}' --redo all",
@@ -143,27 +149,40 @@ def _cell_env(cell: Cell) -> dict[str, str]:
     for use in cell.stack.uses:
         if use.technique.env is not None:
             env.update(use.technique.env(use.opts))
+    if cell.gpus > 1:  # torchrun sets the ranks' own
+        for key in distributed.SINGLE_RANK_ENV:
+            env.pop(key, None)
     return env
 
 
-def _spawn(cell: Cell, raw_dir: Path) -> Worker:
+def _request(cell: Cell, opts: RunOptions, provenance: dict[str, Any], raw_dir: Path) -> dict[str, Any]:
+    """What a worker is handed: the cell, the row so far, and where to write the finished row."""
+    out = raw_dir / f".{cell.row_key}.worker.json"
+    for stale in (out, *(results.rank_path(out, r) for r in range(cell.gpus))):
+        stale.unlink(missing_ok=True)
+    return {"cell": cell.to_json(), "row": _base_row(cell, opts, provenance), "out": str(out)}
+
+
+def _spawn(cell: Cell, raw_dir: Path, request: dict[str, Any] | None = None) -> Worker:
+    """A worker waiting on stdin for its request; for several GPUs, torchrun with the request in a file."""
     log_path = raw_dir / "logs" / f"{cell.row_key}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "bench.worker"]
+    if cell.gpus > 1:
+        assert request is not None, "a torchrun cell is never preforked"
+        request_path = raw_dir / f".{cell.row_key}.request.json"
+        request_path.write_text(json.dumps(request))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cell.gpus}",
+                   "-m", "bench.worker", "--request", str(request_path)]
     log = open(log_path, "wb")  # noqa: SIM115 (closed by _finish / _discard)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.worker"],
-        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+        command,
+        stdin=subprocess.PIPE if cell.gpus == 1 else subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, **_cell_env(cell)}, cwd=REPO,
         start_new_session=True,  # its own process group: a timeout kills it and its children
-        preexec_fn=_die_with_parent,
+        preexec_fn=distributed.die_with_parent,
     )
     return Worker(cell, proc, log)
-
-
-def _die_with_parent() -> None:
-    # Not Linux (no libc.so.6): a killed runner may leave its worker running.
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _discard(worker: Worker | None) -> None:
@@ -180,20 +199,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _finish(worker: Worker, opts: RunOptions, provenance: dict[str, Any], raw_dir: Path,
+def _finish(worker: Worker, request: dict[str, Any], raw_dir: Path,
             next_cell: Cell | None) -> tuple[Worker | None, dict[str, Any]]:
     """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row)."""
     cell, proc = worker.cell, worker.proc
-    base = _base_row(cell, opts, provenance)
-    out = raw_dir / f".{cell.row_key}.worker.json"
-    out.unlink(missing_ok=True)
+    base, out = request["row"], Path(request["out"])
     started = time.monotonic()
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write((json.dumps({"cell": cell.to_json(), "row": base, "out": str(out)}) + "\n").encode())
-        proc.stdin.close()
-    except BrokenPipeError:  # the worker died while importing: its log says why
-        pass
+    if proc.stdin is not None:
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.close()
+        except BrokenPipeError:  # the worker died while importing: its log says why
+            pass
     spare = _spawn(next_cell, raw_dir) if next_cell else None  # imports while this cell runs
     try:
         proc.wait(timeout=cell.timeout_s)
@@ -203,7 +220,13 @@ def _finish(worker: Worker, opts: RunOptions, provenance: dict[str, Any], raw_di
         timed_out = True
     worker.log.close()
     wall_s = time.monotonic() - started
-    if out.exists():  # the worker's own row wins, even if it hung while exiting
+    (raw_dir / f".{cell.row_key}.request.json").unlink(missing_ok=True)
+    rank_rows = _rank_rows(out, cell.gpus) if cell.gpus > 1 else {}
+    if rank_rows:
+        row = ranks.merge(base, rank_rows, cell.gpus)
+        if timed_out and row["status"] == "ok":  # every rank finished, then something hung
+            row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s while exiting"}
+    elif out.exists():  # the worker's own row wins, even if it hung while exiting
         row = json.loads(out.read_text())
         out.unlink()
     elif timed_out:
@@ -215,6 +238,17 @@ def _finish(worker: Worker, opts: RunOptions, provenance: dict[str, Any], raw_di
     else:
         row = base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
     return spare, row | {"wall_s": wall_s}
+
+
+def _rank_rows(out: Path, world: int) -> dict[int, dict[str, Any]]:
+    """The rows the ranks wrote (rank -> row), the files removed."""
+    found = {}
+    for r in range(world):
+        path = results.rank_path(out, r)
+        if path.exists():
+            found[r] = json.loads(path.read_text())
+            path.unlink()
+    return found
 
 
 def _log_tail(worker: Worker) -> str:

@@ -7,7 +7,9 @@
         device: auto | cpu | cuda   (auto: cuda when a GPU is visible, else cpu)
         models: [registry names]
         seq_lens: [int]
-        batch_sizes: [int]
+        batch_sizes: [int]         # per GPU (micro-batch of each rank)
+        gpus: [int]                # GPUs per cell (default [1]); more than one runs under torchrun,
+                                   # one process per rank (on a CPU-only host: gloo processes)
         stacks: ["baseline", "gc + lora(r=8)", ...]
         steps: {warmup: int, measure: int}
         timeout_s: number          # per cell, the whole process (build included)
@@ -38,10 +40,10 @@ CHECKPOINTS = ("none", "model", "full")
 _TOP_KEYS = {"defaults", "matrices"}
 _MATRIX_KEYS = {
     "description", "device", "models", "seq_lens", "batch_sizes", "stacks", "steps",
-    "timeout_s", "seed", "repeats", "prune_after_oom", "exclude", "ladder", "checkpoint",
+    "timeout_s", "seed", "repeats", "prune_after_oom", "exclude", "ladder", "checkpoint", "gpus",
 }
 _REQUIRED = ("models", "seq_lens", "batch_sizes", "stacks")
-_EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack"}
+_EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack", "gpus"}
 
 
 class SpecError(ValueError):
@@ -66,6 +68,7 @@ class MatrixSpec:
     ladder: tuple[str, ...] = ()  # stack labels, each rung adding techniques to the one before
     repeats: int = 1
     checkpoint: str = "none"  # none | model | full: measure a checkpoint save after the last step
+    gpus: tuple[int, ...] = (1,)  # processes (ranks) per cell, one GPU each
 
 
 def load(path: str | Path) -> dict[str, MatrixSpec]:
@@ -127,6 +130,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         ladder=_ladder(body.get("ladder") or [], stacks, f"{where}.ladder"),
         repeats=_int(body.get("repeats", 1), f"{where}.repeats", minimum=1),
         checkpoint=_choice(body.get("checkpoint", "none"), CHECKPOINTS, f"{where}.checkpoint"),
+        gpus=_positive_ints(body, "gpus", where) if "gpus" in body else (1,),
     )
 
 

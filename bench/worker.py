@@ -7,6 +7,9 @@ Nothing touches CUDA before the cell arrives: the NVML baseline is read first.
 
 Protocol: one JSON line on stdin, {"cell": Cell.to_json(), "row": base row, "out": path}; the
 worker writes the finished row to `out` atomically. EOF on stdin: exit without doing anything.
+Under torchrun (cells of several GPUs) every rank reads the same request from the file named by
+`--request`, and rank r writes its own row to `out.rank<r>` (bench/ranks.py merges them). A rank
+that fails exits non-zero after writing its row, so torchrun stops the ranks waiting on it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import data, measure, models, results, saving
+from . import data, distributed, measure, models, results, saving
 from .measure import GIB
 from .techniques import REGISTRY, Technique, TrainSetup
 
@@ -30,16 +33,25 @@ OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
 
 
 def main() -> None:
+    request_file = sys.argv[sys.argv.index("--request") + 1] if "--request" in sys.argv else None
+    if request_file:  # a rank under torchrun: a killed torchrun takes its ranks along
+        distributed.die_with_parent()
+        if os.getppid() == 1:  # torchrun died before the line above
+            return
     import torch  # noqa: F401  (the slow imports happen here, before the cell is handed over)
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    line = sys.stdin.readline()
+    line = Path(request_file).read_text() if request_file else sys.stdin.readline()
     if not line.strip():
         return
     request = json.loads(line)
     row = {**request["row"], **run_cell(request["cell"])}
-    results.write_atomic(Path(request["out"]), row)
+    out = Path(request["out"])
+    results.write_atomic(results.rank_path(out, distributed.rank()) if request_file else out, row)
+    distributed.shutdown()
+    if request_file and row["status"] != "ok":
+        os._exit(1)  # torchrun then stops the other ranks, which may wait on this one in a collective
 
 
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +60,8 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
 
     cuda = cell["device"] == "cuda"
     sampler = measure.start_nvml_sampler() if cuda else None  # baseline before CUDA starts
+    if cuda:
+        torch.cuda.set_device(distributed.local_rank())
     tracker = measure.PhaseTracker(cuda)
     out: dict[str, Any] = {}
     try:
@@ -109,20 +123,24 @@ def _train(cell: dict[str, Any], tracker: measure.PhaseTracker, out: dict[str, A
     model, optimizer = _trainer(model, trainable, setup, uses, cell, evidence)
     out["evidence_json"] = json.dumps(evidence, sort_keys=True)
     steps = cell["warmup_steps"] + cell["measure_steps"]
-    batches = data.token_batches(vocab_size, cell["batch_size"], cell["seq_len"], steps,
-                                 cell["seed"], cell["device"])
+    batches = data.batches(setup.data, vocab_size, cell["batch_size"], cell["seq_len"], steps, cell["seed"],
+                           cell["device"], setup.min_doc_frac, distributed.rank(), distributed.world_size())
     losses, step_s = _loop(model, optimizer, batches, setup, tracker, cell)
     if cell.get("checkpoint", "none") != "none":
         out.update(_checkpoint(model, optimizer, cell["checkpoint"], tracker, cell["device"] == "cuda"))
     states = innermost_optimizer(optimizer).state.values()
     out["optimizer_state_gib"] = measure.tensor_gib(t for state in states for t in state.values() if torch.is_tensor(t))
-    tokens_per_step = cell["batch_size"] * cell["seq_len"]
+    tokens_per_step = cell["batch_size"] * cell["seq_len"]  # this rank's; bench/ranks.py sums the ranks
+    useful = [b.useful_tokens for b in batches[cell["warmup_steps"]:]]
     measured_s = sum(step_s)
     return {
         "losses_json": json.dumps([round(x, 6) for x in losses]),
         "tokens_per_step": tokens_per_step,
+        "useful_tokens_per_step": sum(useful) / len(useful),
         "measured_s": measured_s,
         "tokens_per_s": tokens_per_step * len(step_s) / measured_s,
+        "useful_tokens_per_s": sum(useful) / measured_s,
+        "tokens_per_s_per_gpu": tokens_per_step * len(step_s) / measured_s,
         **measure.step_time_stats(step_s),
     }
 
@@ -132,7 +150,7 @@ def _checkpoint(model: Any, optimizer: Any, kind: str, tracker: measure.PhaseTra
     measured as the 'checkpoint/save' phase; the files are deleted afterwards."""
     import torch
 
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_CHECKPOINT_DIR"), prefix="bench-ckpt-") as tmp:
+    with _checkpoint_dir() as tmp:
         if cuda:
             torch.cuda.synchronize()
         tracker.enter("checkpoint/save")
@@ -146,6 +164,28 @@ def _checkpoint(model: Any, optimizer: Any, kind: str, tracker: measure.PhaseTra
     return {"checkpoint_s": seconds, "checkpoint_disk_gib": disk_gib}
 
 
+@contextlib.contextmanager
+def _checkpoint_dir() -> Any:
+    """A temporary folder, the same for every rank of a torchrun cell (sharded saves write into one)."""
+    root = Path(os.environ.get("BENCH_CHECKPOINT_DIR") or tempfile.gettempdir())
+    if not distributed.under_torchrun():
+        with tempfile.TemporaryDirectory(dir=root, prefix="bench-ckpt-") as tmp:
+            yield Path(tmp)
+        return
+    import shutil
+
+    import torch.distributed as dist
+
+    shared = root / f"bench-ckpt-{os.environ['TORCHELASTIC_RUN_ID']}"
+    shared.mkdir(exist_ok=True)
+    try:
+        yield shared
+    finally:
+        dist.barrier()  # every rank has written (and measured its size) before rank 0 deletes
+        if distributed.rank() == 0:
+            shutil.rmtree(shared, ignore_errors=True)
+
+
 def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:
     """(model, optimizer, setup) of a cell with its stack applied, for in-process use
     (benchmarks/): the same build as a worker's, without the measurement around it."""
@@ -156,17 +196,17 @@ def prepare(cell: dict[str, Any]) -> tuple[Any, Any, TrainSetup]:
     return model, optimizer, setup
 
 
-def train_step(model: Any, optimizer: Any, tokens: Any, autocast: Any, micro_batches: int = 1,
+def train_step(model: Any, optimizer: Any, batch: data.Batch, autocast: Any, micro_batches: int = 1,
                tracker: measure.PhaseTracker | None = None, stage: str = "") -> Any:
-    """One optimizer step on one batch (labels = inputs), in `micro_batches` forward/backward passes
-    whose gradients accumulate; returns the batch's mean loss, detached. An engine (DeepSpeed) owns
-    backward and the step (loss scaling, gradient partitioning)."""
+    """One optimizer step on one batch, in `micro_batches` forward/backward passes whose gradients
+    accumulate; returns the batch's mean loss, detached. An engine (DeepSpeed) owns backward and
+    the step (loss scaling, gradient partitioning); FSDP's sharded model trains like a plain one."""
     engine = hasattr(model, "backward") and hasattr(model, "step")  # a DeepSpeedEngine
     total = 0.0
-    for chunk in tokens.chunk(micro_batches):
+    for chunk in batch.chunk(micro_batches):
         _enter(tracker, f"{stage}/forward")
         with autocast:
-            loss = model(input_ids=chunk, labels=chunk).loss / micro_batches
+            loss = model(**chunk.model_inputs()).loss / micro_batches
         _enter(tracker, f"{stage}/backward")
         if engine:
             model.backward(loss)
@@ -229,6 +269,13 @@ def _build_with_stack(cell: dict[str, Any], setup: TrainSetup,
 def _trainer(model: Any, trainable: list[Any], setup: TrainSetup, uses: list[tuple[Technique, dict[str, Any]]],
              cell: dict[str, Any], evidence: dict[str, Any]) -> tuple[Any, Any]:
     """(what the loop steps, its optimizer): the model and the stack's optimizer, or an engine."""
+    if setup.engine == "fsdp":
+        from .engines import fsdp
+
+        opts = next(o for t, o in uses if t.name == "fsdp")
+        model, found = fsdp.shard(model, setup, opts, cell["device"] == "cuda")
+        evidence.update(found)  # sharding replaced the parameters: the optimizer takes the new ones
+        return model, _optimizer([p for p in model.parameters() if p.requires_grad], setup, uses)
     if setup.engine == "deepspeed":
         from .engines import deepspeed
 
@@ -271,7 +318,7 @@ def _optimizer(params: list[Any], setup: TrainSetup, uses: list[tuple[Technique,
     return torch.optim.AdamW(params, lr=setup.lr, **impl)
 
 
-def _loop(model: Any, optimizer: Any, batches: list[Any], setup: TrainSetup, tracker: measure.PhaseTracker,
+def _loop(model: Any, optimizer: Any, batches: list[data.Batch], setup: TrainSetup, tracker: measure.PhaseTracker,
           cell: dict[str, Any]) -> tuple[list[float], list[float]]:
     """All steps; the first is the 'first_step' stage (lazy optimizer state), then warm-up, then
     the measured ones, timed with CUDA events on the GPU (host clock on the CPU)."""
@@ -280,10 +327,10 @@ def _loop(model: Any, optimizer: Any, batches: list[Any], setup: TrainSetup, tra
     cuda = cell["device"] == "cuda"
     autocast = autocast_for(setup, cell["device"])
     losses, timings = [], []
-    for i, tokens in enumerate(batches):
+    for i, batch in enumerate(batches):
         stage = "first_step" if i == 0 else "warmup" if i < cell["warmup_steps"] else "measure"
         start = _mark(cuda)
-        losses.append(train_step(model, optimizer, tokens, autocast, setup.micro_batches, tracker, stage))
+        losses.append(train_step(model, optimizer, batch, autocast, setup.micro_batches, tracker, stage))
         if stage == "measure":
             timings.append((start, _mark(cuda)))
     if cuda:

@@ -11,14 +11,10 @@ JIT-built FusedAdam / CPUAdam, so no kernel is compiled at run time (the engine 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from typing import Any
 
+from .. import distributed
 from ..techniques.base import Technique, TrainSetup
-
-# Single-process distributed state: DeepSpeed looks for these (and for MPI without them).
-RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
 
 def config(uses: list[tuple[Technique, dict[str, Any]]], setup: TrainSetup, batch_size: int) -> dict[str, Any]:
@@ -43,9 +39,9 @@ def initialize(model: Any, params: list[Any], ds_config: dict[str, Any]) -> tupl
     import deepspeed
     import torch
 
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    cuda = torch.cuda.is_available()
+    distributed.init(cuda)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # adopts the group above
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=copy.deepcopy(ds_config))
     offload_param = engine.zero_offload_param()
     evidence = {
@@ -64,9 +60,3 @@ def _merge(into: dict[str, Any], fragment: dict[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,6 +8,7 @@ from . import (
     eager_attention,
     expandable_segments,
     fault,
+    fsdp,
     gc,
     grad_accum,
     int8_lora,
@@ -15,6 +16,8 @@ from . import (
     lora,
     mixed,
     offload,
+    packing,
+    padding,
     paged_adamw8bit,
     qlora,
     zero2,
@@ -22,8 +25,8 @@ from . import (
 )
 from .base import Phase, Technique, TrainSetup
 
-_MODULES = (adamw, adamw8bit, eager_attention, expandable_segments, fault, gc, grad_accum, int8_lora, liger, lora, mixed,
-            offload, paged_adamw8bit, qlora, zero2, zero3)
+_MODULES = (adamw, adamw8bit, eager_attention, expandable_segments, fault, fsdp, gc, grad_accum, int8_lora, liger, lora,
+            mixed, offload, packing, padding, paged_adamw8bit, qlora, zero2, zero3)
 REGISTRY: dict[str, Technique] = {m.TECHNIQUE.name: m.TECHNIQUE for m in _MODULES}
 
 __all__ = ["REGISTRY", "Phase", "Technique", "TrainSetup"]

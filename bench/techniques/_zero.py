@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..engines.deepspeed import RANK_ENV
+from ..distributed import SINGLE_RANK_ENV
 from .base import Options, Phase, Technique, TrainSetup
 
 # DeepSpeed owns precision (bf16 + fp32 master weights) and the optimizer: no other may be stacked.
@@ -30,7 +30,7 @@ def technique(stage: int, summary: str) -> Technique:
         choices={"adam": ("torch", "deepspeed")},
         packages=("deepspeed",),
         conflicts=OWNED_BY_ENGINE,
-        env=lambda opts: dict(RANK_ENV),
+        env=lambda opts: dict(SINGLE_RANK_ENV),  # torchrun's own values win on several ranks
         configure=configure,
         ds_config=fragment,
     )

@@ -25,6 +25,7 @@ class Phase(IntEnum):
     WRAP = 3  # wrappers around the model (LoRA adapters)
     OPTIMIZER = 4  # which optimizer and how it is implemented
     ENGINE = 5  # a training engine that owns the step (DeepSpeed, FSDP)
+    DATA = 6  # how batches are laid out (variable-length documents, padded or packed)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,11 @@ class TrainSetup:
     optimizer: str = "adamw"
     optimizer_impl: str = "fused"  # fused | foreach: pinned, since it moves the peak by GiBs
     lr: float = 1e-4
-    engine: str | None = None  # "deepspeed": an engine owns precision, optimizer and the step
+    engine: str | None = None  # "deepspeed" | "fsdp": an engine shards the model (and may own the step)
+    cpu_offload: bool = False  # the engine keeps sharded state in host RAM (FSDP reads it; DeepSpeed gets a fragment)
     micro_batches: int = 1  # forward/backward passes per optimizer step (gradient accumulation)
+    data: str = "full"  # full | pad | pack: batch layout (bench/data.py)
+    min_doc_frac: float = 0.1  # pad / pack: shortest document, as a fraction of seq_len
 
 
 @dataclass(frozen=True)

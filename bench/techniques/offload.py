@@ -1,7 +1,8 @@
-"""Offload to host RAM (DeepSpeed ZeRO-Offload): optimizer state and, under ZeRO-3, parameters.
+"""Offload to host RAM: DeepSpeed ZeRO-Offload (optimizer state; parameters too under ZeRO-3), or
+FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state together: `offload(params=true)`).
 
 Saves: GPU memory of the fp32 master weights and Adam states (12 B/param) with `optimizer=true`, and
-of the parameters between uses with `params=true` (ZeRO-3 only). Costs: host RAM (it moves memory,
+of the parameters between uses with `params=true` (ZeRO-3 or FSDP). Costs: host RAM (it moves memory,
 it does not remove it: read host_rss_peak_gib), PCIe traffic every step, and the optimizer step on the
 CPU (torch AdamW by default; `zero?(adam=deepspeed)` uses DeepSpeed's JIT-built CPUAdam, much faster).
 Needs CUDA: on a CPU-only cell there is nothing to offload from.
@@ -9,9 +10,10 @@ Needs CUDA: on a CPU-only cell there is nothing to offload from.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from .base import Options, Phase, Technique
+from .base import Options, Phase, Technique, TrainSetup
 
 
 def _fragment(opts: Options) -> dict[str, Any]:
@@ -23,9 +25,15 @@ def _fragment(opts: Options) -> dict[str, Any]:
     return {"zero_optimization": zero}
 
 
+def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
+    return replace(setup, cpu_offload=True)  # FSDP reads this; DeepSpeed gets _fragment
+
+
 def _validate(names: frozenset[str], opts: Options) -> str | None:
-    if opts["params"] and "zero3" not in names:
-        return "parameter offload needs zero3 (ZeRO-2 keeps whole parameters on the GPU)"
+    if "fsdp" in names and not (opts["optimizer"] and opts["params"]):
+        return "FSDP offloads parameters, gradients and optimizer state together: write offload(params=true)"
+    if opts["params"] and not names.intersection(("zero3", "fsdp")):
+        return "parameter offload needs zero3 or fsdp (ZeRO-2 keeps whole parameters on the GPU)"
     if not (opts["optimizer"] or opts["params"]):
         return "offloads nothing: set optimizer=true or params=true"
     return None
@@ -33,11 +41,12 @@ def _validate(names: frozenset[str], opts: Options) -> str | None:
 
 TECHNIQUE = Technique(
     name="offload",
-    summary="ZeRO-Offload: optimizer state (and zero3 params) in host RAM; PCIe traffic, CPU optimizer step",
+    summary="optimizer state (and zero3/fsdp params) in host RAM: PCIe traffic, CPU optimizer step",
     phase=Phase.ENGINE,
     options={"optimizer": True, "params": False},
     requires_cuda=True,
-    needs_one_of=("zero2", "zero3"),
+    needs_one_of=("zero2", "zero3", "fsdp"),
+    configure=_configure,
     ds_config=_fragment,
     validate=_validate,
 )

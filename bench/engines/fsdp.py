@@ -1,0 +1,52 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) as the cell's engine.
+
+Each decoder layer (the model's `_no_split_modules`) is one FSDP unit, then the root: parameters,
+gradients and optimizer states are sharded over the ranks (DTensors); a unit's full parameters
+exist only while it computes (all-gather before, free after with `reshard_after_forward`), and
+gradients are reduce-scattered. The optimizer is the stack's, built on the sharded parameters, and
+training is a plain loss.backward() / optimizer.step(). With one rank nothing is divided, but the
+precision policy and CPU offload still act, so fsdp on one GPU is a cell of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import distributed
+from ..techniques.base import TrainSetup
+
+
+def shard(model: Any, setup: TrainSetup, opts: dict[str, Any], cuda: bool) -> tuple[Any, dict[str, Any]]:
+    """Shards `model` in place; returns it with the evidence of what FSDP did."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    distributed.init(cuda)
+    # mixed: fp32 sharded master weights, bf16 compute, fp32 gradient reduction. pure: all bf16.
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if opts["precision"] == "mixed" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy() if setup.cpu_offload else OffloadPolicy()
+    kinds = _layer_classes(model)
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    for module in [*layers, model]:
+        fully_shard(module, mp_policy=policy, offload_policy=offload, reshard_after_forward=opts["reshard"])
+    params = list(model.parameters())
+    evidence = {
+        "fsdp_units": len(layers) + 1,
+        "fsdp_world_size": torch.distributed.get_world_size(),
+        "fsdp_sharded_params": sum(isinstance(p, DTensor) for p in params),
+        "fsdp_params": len(params),
+        "fsdp_param_device": str(params[0].device.type),
+        "fsdp_master_dtype": str(params[0].dtype).removeprefix("torch."),
+    }
+    return model, evidence
+
+
+def _layer_classes(model: Any) -> set[str]:
+    """The transformer block classes (transformers' `_no_split_modules`, found through wrappers like peft)."""
+    for module in model.modules():
+        found = getattr(module, "_no_split_modules", None)
+        if found:
+            return set(found)
+    raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules) to shard by")
