@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .cells import Cell
@@ -35,7 +36,7 @@ class RichProgress:
 
     def cell_finished(self, cell: Cell, row: dict[str, Any]) -> None:
         status = row["status"]
-        self.bar.console.log(f"[{_STYLE.get(status, '')}]{status:8}[/] {cell.row_key}  {_detail(row)}")
+        self.bar.console.log(f"[{_STYLE.get(status, '')}]{status:8}[/] " + escape(f"{cell.row_key}  {_detail(row)}"))
         self.bar.advance(self.task)
 
 

@@ -6,8 +6,9 @@
   tokens_per_s_per_gpu divides it by the rank count. Step-time percentiles are rank 0's.
 - losses: the mean over ranks of each step's loss: the loss of the global batch (ranks see equal
   token counts), comparable with a one-GPU cell of the same global batch.
-- status: ok only if every rank is ok; else the first failed rank's status, error and OOM phase.
-  A rank with no row was stopped by torchrun after another one failed.
+- status: ok only if every rank is ok; else a failed rank's status, error and OOM phase: the first
+  rank that ran out of memory if one did (the others then fail in collectives, "connection closed
+  by peer"), else the first that failed. A rank with no row was stopped by torchrun after another failed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
         row[col] = max(values) if values else None
     row["per_rank_json"] = json.dumps([{k: r.get(k) for k in PER_RANK} if r else None for r in rows])
     failed = [(i, r) for i, r in enumerate(rows) if r is not None and r["status"] != "ok"]
+    failed.sort(key=lambda found: found[1]["status"] != "oom")  # an OOM is the cause, not its echo
     missing = [i for i, r in enumerate(rows) if r is None]
     if failed or missing:
         i, bad = failed[0] if failed else (missing[0], None)

@@ -46,6 +46,26 @@ def test_gpu_matrix_on_cpu_host_is_planned_as_skipped() -> None:
     assert on_gpu == {None, "grad_accum: batch 1 does not split into 2 equal micro-batches"}
 
 
+def test_gpus_axis_ids_and_skip_reasons(tmp_path: Path) -> None:
+    """One-GPU ids stay as published; several GPUs show in the id and need GPUs and an engine."""
+    write_matrix(tmp_path, """
+    matrices:
+      a: {device: cuda, models: [tiny-llama], seq_lens: [32], batch_sizes: [1], gpus: [1, 2], stacks: [baseline, fsdp]}
+    """)
+    planned = cells.plan(spec.get(tmp_path / "matrix.yaml", "a"), GPU_HOST)
+    by_id = {pc.cell.cell_id.rsplit("_", 1)[0]: pc.skip_reason for pc in planned}
+    assert by_id == {
+        "tiny-llama_s32_b1_baseline": None,
+        "tiny-llama_s32_b1_fsdp": None,
+        "tiny-llama_s32_b1_g2_baseline": "needs 2 GPUs: 1 visible on this machine",
+        "tiny-llama_s32_b1_g2_fsdp": "needs 2 GPUs: 1 visible on this machine",
+    }
+    eight = HostCaps(cuda_devices=8, packages=GPU_HOST.packages)
+    reasons = [pc.skip_reason for pc in cells.plan(spec.get(tmp_path / "matrix.yaml", "a"), eight)]
+    assert reasons[2] == "2 GPUs need a sharding engine in the stack (fsdp, zero2, zero3): plain data parallel is not measured"
+    assert reasons[3] is None
+
+
 def test_exclude_rules_skip_with_their_name(tmp_path: Path) -> None:
     write_matrix(tmp_path, """
     matrices:

@@ -2,7 +2,8 @@
 
 Fails the cell in a chosen way on the first forward pass, so tests can prove that every failure
 ends as the right row and costs nothing else. With `over_tokens=N` it fails only when a forward
-sees more than N tokens (batch x seq): a memory limit the fit search can find on a CPU.
+sees more than N tokens (batch x seq): a memory limit the fit search can find on a CPU. With
+`only_rank=r` only rank r of a multi-GPU cell fails (the others then wait on it in a collective).
 Refused unless BENCH_TEST_TECHNIQUES=1.
 """
 
@@ -33,6 +34,8 @@ def _fail(mode: str) -> None:
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     mode, limit = opts["mode"], opts["over_tokens"]
+    if opts["only_rank"] not in (-1, int(os.environ.get("RANK", "0"))):
+        return model, {"fault": "none on this rank"}
 
     def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         tokens = kwargs["input_ids"].numel() if "input_ids" in kwargs else args[0].numel()
@@ -47,7 +50,7 @@ TECHNIQUE = Technique(
     name="fault",
     summary="test only: fails the first forward (raise | oom | hang | exit137 | sigkill)",
     phase=Phase.PATCH,
-    options={"mode": "raise", "over_tokens": 0},
+    options={"mode": "raise", "over_tokens": 0, "only_rank": -1},
     choices={"mode": ("raise", "oom", "hang", "exit137", "sigkill")},
     test_only=True,
     apply=_apply,
