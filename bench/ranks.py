@@ -4,8 +4,8 @@
   kept in per_rank_json.
 - throughput: all ranks together: tokens of every rank over the slowest rank's measured time;
   tokens_per_s_per_gpu divides it by the rank count. Step-time percentiles are rank 0's.
-- losses: the mean over ranks of each step's loss: the loss of the global batch (ranks see equal
-  token counts), comparable with a one-GPU cell of the same global batch.
+- losses: the mean over ranks of each step's loss: the loss of the global batch, comparable with a
+  one-GPU cell of the same global batch (exactly so where ranks see equal token counts: not with padding).
 - status: ok only if every rank is ok; else a failed rank's status, error and OOM phase: the first
   rank that ran out of memory if one did (the others then fail in collectives, "connection closed
   by peer"), else the first that failed. A rank with no row was stopped by torchrun after another failed.

@@ -32,7 +32,9 @@ def _cells(config: pytest.Config) -> list[cells.Cell]:
     name = config.getoption("--bench-matrix") or ("regress" if host.cuda_devices else "smoke")
     only = config.getoption("--bench-only")
     planned = cells.plan(spec.get(MATRIX_FILE, name), host)
-    return [pc.cell for pc in planned if pc.skip_reason is None and (not only or fnmatch.fnmatch(pc.cell.cell_id, only))]
+    # In-process: one rank. Cells of several GPUs need torchrun; the suite itself measures those.
+    return [pc.cell for pc in planned if pc.skip_reason is None and pc.cell.gpus == 1
+            and (not only or fnmatch.fnmatch(pc.cell.cell_id, only))]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -51,8 +53,8 @@ def test_train_step(benchmark: Any, cell: cells.Cell) -> None:
     model, optimizer, setup = worker.prepare(job)
     held = {"model": model, "optimizer": optimizer}  # dropped at the end: the next cell starts empty
     vocab_size = getattr(model, "module", model).config.vocab_size  # an engine wraps the model as .module
-    batches = iter(data.token_batches(vocab_size, cell.batch_size, cell.seq_len,
-                                      cell.warmup_steps + cell.measure_steps, cell.seed, cell.device))
+    batches = iter(data.batches(setup.data, vocab_size, cell.batch_size, cell.seq_len,
+                                cell.warmup_steps + cell.measure_steps, cell.seed, cell.device, setup.min_doc_frac))
     del model, optimizer
     autocast = worker.autocast_for(setup, cell.device)
 

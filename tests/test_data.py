@@ -55,3 +55,26 @@ def test_micro_batches_split_every_field() -> None:
     assert [p.input_ids.shape[0] for p in parts] == [2, 2]
     assert sum(p.useful_tokens for p in parts) == b.useful_tokens
     assert all(p.position_ids is None for p in parts)
+
+
+def test_packed_documents_attend_only_to_themselves() -> None:
+    """What packing's docstring claims, checked on a real model: with position_ids restarting, the
+    logits of a document inside a packed row equal those of the document alone (sdpa and eager)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench import models
+
+    for attention in ("sdpa", "eager"):
+        config = models.hf_config(models.get("tiny-llama"), attention)
+        config.use_cache = False  # as the worker builds it: with a KV cache transformers does not look for documents
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        first, second = torch.randint(0, 100, (1, 20)), torch.randint(0, 100, (1, 12))
+        row = torch.cat([first, second], dim=1)
+        positions = torch.cat([torch.arange(20), torch.arange(12)])[None]
+        with torch.no_grad():
+            packed = model(input_ids=row, position_ids=positions).logits[:, 20:]
+            alone = model(input_ids=second).logits
+            leaked = model(input_ids=row).logits[:, 20:]  # no position_ids: one long causal sequence
+        assert torch.allclose(packed, alone, atol=1e-5), attention
+        assert not torch.allclose(leaked, alone, atol=1e-3)

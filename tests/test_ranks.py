@@ -18,7 +18,7 @@ matrices:
     seq_lens: [64]
     batch_sizes: [1, 2]
     gpus: [1, 2]
-    stacks: [baseline, fsdp, fsdp(precision=mixed), "fsdp + fault(mode=oom, only_rank=1)"]
+    stacks: [baseline, fsdp, fsdp(precision=mixed), zero3, "fsdp + fault(mode=oom, only_rank=1)"]
     exclude: [{gpus: 1, batch_size: 1}, {gpus: 2, batch_size: 2}, {gpus: 1, stack: "fsdp + fault(mode=oom, only_rank=1)"}]
     steps: {warmup: 2, measure: 3}
     timeout_s: 240
@@ -40,6 +40,7 @@ matrices:
 def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     """Two gloo ranks at batch 1 train on the tokens of one process at batch 2: FSDP2 (exact)
     keeps the baseline's losses; the row merges both ranks; one rank's OOM becomes the cell's."""
+    pytest.importorskip("deepspeed")
     write_matrix(workdir, FSDP)
     proc = run_bench(workdir, "run", "f", "--run-id", "f")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -62,6 +63,13 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     # Each rank holds half of the (bf16) Adam state: sharding is real.
     assert two["optimizer_state_gib"] == pytest.approx(rows[(1, "fsdp")]["optimizer_state_gib"] / 2, rel=0.05)
     assert json.loads(rows[(2, "fsdp(precision=mixed)")]["evidence_json"])["fsdp_master_dtype"] == "float32"
+
+    for gpus in (1, 2):  # DeepSpeed under torchrun too: world size from torchrun, states partitioned
+        zero = rows[(gpus, "zero3")]
+        assert zero["status"] == "ok", zero["error"]
+        assert json.loads(zero["evidence_json"])["ds_world_size"] == gpus
+        assert json.loads(zero["losses_json"])[0] == pytest.approx(base[0], rel=1e-4)
+    assert rows[(2, "zero3")]["optimizer_state_gib"] == pytest.approx(rows[(1, "zero3")]["optimizer_state_gib"] / 2, rel=0.05)
 
     failed = rows[(2, "fault(mode=oom, only_rank=1) + fsdp")]
     assert failed["status"] == "oom" and failed["error"].startswith("rank 1: ")
