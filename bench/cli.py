@@ -188,6 +188,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise spec.SpecError(f"--budgets: {args.budgets!r} is not a comma list of GiB numbers") from None
     if min(budgets) <= 0 or args.max_batch < 1 or args.seq_step < 1 or args.max_seq < args.seq_step:
         raise spec.SpecError("--budgets must be positive, --max-batch >= 1, --max-seq >= --seq-step >= 1")
+    if matrix.gpus != (1,):
+        raise spec.SpecError(f"matrix {matrix.name}: bench fit searches one-GPU cells; remove its gpus: {list(matrix.gpus)}")
     host = envinfo.host_caps()
     device = cells.resolve_device(matrix, host)
     if device == "cuda" and host.cuda_devices == 0:

@@ -45,7 +45,8 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
     if plots:
         lines += ["Plots: " + " · ".join(f"[{Path(p).stem}]({p})" for p in plots), ""]
     for (model, seq, gpus), group in frame.groupby(["model", "seq_len", "gpus"], sort=True):
-        title = f"## {model} · seq {seq}" + (f" · {gpus} GPUs" if gpus > 1 else "")
+        ranks = f"{gpus} GPUs" if group["device"].iloc[0] == "cuda" else f"{gpus} ranks (CPU processes, gloo)"
+        title = f"## {model} · seq {seq}" + (f" · {ranks}" if gpus > 1 else "")
         lines += [title, "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
     lines += _repeatability(frame)
     lines += _checkpoints(frame, mem_col)

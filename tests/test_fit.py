@@ -86,3 +86,15 @@ def test_fit_end_to_end_with_a_simulated_memory_limit(workdir) -> None:
 
     again = run_bench(workdir, *args)  # resumed: every probe is already a row
     assert again.returncode == 0 and "0 probes run now" in again.stdout
+
+
+def test_fit_refuses_a_multi_gpu_matrix(tmp_path, capsys) -> None:
+    from bench import cli
+    from conftest import write_matrix
+
+    write_matrix(tmp_path, """
+    matrices:
+      m: {device: cpu, models: [tiny-llama], seq_lens: [32], batch_sizes: [1], gpus: [2], stacks: [fsdp]}
+    """)
+    assert cli.main(["--matrix-file", str(tmp_path / "matrix.yaml"), "fit", "m", "--budgets", "8"]) == 2
+    assert "bench fit searches one-GPU cells; remove its gpus: [2]" in capsys.readouterr().err
