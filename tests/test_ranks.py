@@ -33,6 +33,15 @@ matrices:
     steps: {warmup: 1, measure: 2}
     checkpoint: full
     timeout_s: 240
+  fhang:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [1]
+    gpus: [2]
+    stacks: ["fsdp + fault(mode=hang)"]
+    steps: {warmup: 1, measure: 1}
+    timeout_s: 30
 """
 
 
@@ -88,6 +97,19 @@ def test_fsdp_full_checkpoint_is_sharded_on_two_ranks(workdir: Path) -> None:
     # two Adam moments (bf16: 3 x 2 B per parameter, halved), at most the whole.
     params = row["total_params"]
     assert 0.5 * 3 * 2 * params / 2**30 <= row["checkpoint_disk_gib"] < 3 * 3 * 2 * params / 2**30
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_torchrun_cell_times_out_and_leaves_no_rank_running(workdir: Path) -> None:
+    import subprocess
+
+    write_matrix(workdir, FSDP)
+    proc = run_bench(workdir, "run", "fhang", "--run-id", "h")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = raw_rows(workdir, "h").values()
+    assert row["status"] == "timeout" and row["error"].startswith("killed after 30 s")
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(workdir) not in ps  # torchrun and both ranks (their request file is under workdir) are gone
 
 
 def test_merge_takes_max_memory_summed_tokens_and_mean_losses() -> None:

@@ -72,7 +72,12 @@ def test_tables_of_an_older_schema_stay_readable(tmp_path: Path) -> None:
     import pandas as pd
 
     path = tmp_path / "old.parquet"
-    pd.DataFrame([{"run_id": "r", "cell_id": "c", "status": "ok"}]).to_parquet(path)
+    old = {"schema_version": 4, "run_id": "r", "cell_id": "c", "status": "ok", "device": "cuda",
+           "tokens_per_s": 1000.0, "tokens_per_step": 4096}
+    pd.DataFrame([old]).to_parquet(path)
     frame = results.read_parquet(path)
-    assert list(frame.columns)[:3] == ["run_id", "cell_id", "status"] and set(results.COLUMNS) <= set(frame.columns)
+    assert list(frame.columns) == list(results.COLUMNS)
     assert frame["checkpoint"].isna().all()
+    # Columns of schema 5, derived for rows that predate it: one rank, full rows, every token useful.
+    row = frame.iloc[0]
+    assert row["gpus"] == 1 and row["useful_tokens_per_s"] == row["tokens_per_s_per_gpu"] == 1000.0
