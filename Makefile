@@ -4,6 +4,7 @@
 # make test      CPU tests                  make lint     ruff + mypy
 # make fit       fit frontier: MATRIX=fit3b BUDGETS=24,40,80 (GPU)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
+# make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
 MATRIX ?= smoke
 TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
@@ -14,8 +15,10 @@ BUDGETS ?= 24,40,80
 REGRESS_BASELINE ?= regress-h100-image-a
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
+# the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
+LLAMA3B_RUN ?= llama3b-h100-20261122
 
-.PHONY: install bench list report fit test test-gpu lint versions-env regress regress-benchmark
+.PHONY: install bench list report fit test test-gpu lint versions-env regress regress-benchmark gpu-backlog
 
 install:
 	python3 -m venv $(VENV)
@@ -60,3 +63,11 @@ regress:
 
 regress-benchmark:  # pytest-benchmark view: regress on a GPU (smoke on CPU), saved under .benchmarks/
 	$(REGRESS_PY) -m pytest benchmarks --benchmark-autosave $(ARGS)
+
+gpu-backlog:  # each step resumes where it stopped; bring back results/gpu-backlog.tgz, then `make report`s
+	$(PY) -m pytest -q -m gpu
+	$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN) --only '*_s2048_b2_*'
+	$(PY) -m bench run save3b
+	$(PY) -m bench fit fit3b --budgets $(BUDGETS)
+	$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN)
+	tar czf results/gpu-backlog.tgz results/raw

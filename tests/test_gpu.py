@@ -25,3 +25,44 @@ def test_gpu_cell_records_every_memory_counter(workdir: Path) -> None:
         assert 0 < row["steady_peak_allocated_gib"] <= row["peak_allocated_gib"] <= row["peak_reserved_gib"]
         assert row["nvml_peak_gib"] >= row["peak_reserved_gib"]  # NVML also sees the CUDA context
         assert row["gpu_name"] and row["cuda"] and row["step_ms_p50"] > 0
+
+
+def test_fsdp_and_its_cpu_offload_on_one_gpu(workdir: Path) -> None:
+    """FSDP2 on one GPU (nccl, world of one): exact against the baseline; CPUOffloadPolicy keeps the
+    sharded parameters on the host; mixed precision keeps fp32 masters."""
+    import json
+
+    write_matrix(workdir, """
+    matrices:
+      g: {device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2], steps: {warmup: 2, measure: 3},
+          stacks: [baseline, fsdp, fsdp(precision=mixed), fsdp + offload(params=true), packing, padding]}
+    """)
+    proc = run_bench(workdir, "run", "g", "--run-id", "g")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["stack"]: r for r in raw_rows(workdir, "g").values()}
+    for row in rows.values():
+        assert row["status"] == "ok", row["error"]
+    base = json.loads(rows["baseline"]["losses_json"])
+    assert json.loads(rows["fsdp"]["losses_json"]) == pytest.approx(base, rel=1e-2)
+    assert json.loads(rows["fsdp + offload(params=True)"]["evidence_json"])["fsdp_param_device"] == "cpu"
+    assert json.loads(rows["fsdp(precision=mixed)"]["evidence_json"])["fsdp_master_dtype"] == "float32"
+    assert rows["padding"]["useful_tokens_per_s"] < rows["padding"]["tokens_per_s"]
+    assert rows["packing"]["useful_tokens_per_s"] == rows["packing"]["tokens_per_s"]
+
+
+def test_budget_caps_the_allocator(workdir: Path) -> None:
+    """An emulated budget: the allocator cap is the budget less what torch does not see, and a cell
+    that needs more than the cap runs out of memory."""
+    write_matrix(workdir, """
+    matrices:
+      f: {device: cuda, models: [llama-3.2-1b], seq_lens: [2048], batch_sizes: [1], stacks: [baseline],
+          steps: {warmup: 1, measure: 1}}
+    """)
+    proc = run_bench(workdir, "fit", "f", "--budgets", "4,40", "--max-batch", "2", "--max-seq", "2048",
+                     "--seq-step", "2048", "--run-id", "fit")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = list(raw_rows(workdir, "fit").values())
+    small = [r for r in rows if r["budget_gib"] == 4]
+    assert small and all(r["status"] == "oom" for r in small)  # 1B bf16 + AdamW state alone is ~7.5 GiB
+    big = [r for r in rows if r["budget_gib"] == 40 and r["status"] == "ok"]
+    assert big and all(r["peak_reserved_gib"] <= r["allocator_cap_gib"] < 40 for r in big)
