@@ -39,7 +39,7 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
     missing = [i for i, r in enumerate(rows) if r is None]
     if failed or missing:
         i, bad = failed[0] if failed else (missing[0], None)
-        note = f"ranks without a row (stopped after another failed): {missing}" if missing else ""
+        note = f"ranks without a row: {missing}" if missing else ""  # stopped by torchrun, or killed on timeout
         if bad is None:
             return row | {"status": "error", "error": note}
         return row | {"status": bad["status"], "oom_phase": bad.get("oom_phase"),

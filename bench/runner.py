@@ -223,9 +223,9 @@ def _finish(worker: Worker, request: dict[str, Any], raw_dir: Path,
     (raw_dir / f".{cell.row_key}.request.json").unlink(missing_ok=True)
     rank_rows = _rank_rows(out, cell.gpus) if cell.gpus > 1 else {}
     if rank_rows:
-        row = ranks.merge(base, rank_rows, cell.gpus)
-        if timed_out and row["status"] == "ok":  # every rank finished, then something hung
-            row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s while exiting"}
+        row = ranks.merge(base, rank_rows, cell.gpus)  # every rank's row: ok, even if one then hung exiting
+        if timed_out and row["status"] == "error":  # no rank failed: the missing ones were still running
+            row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n{row['error']}"}
     elif out.exists():  # the worker's own row wins, even if it hung while exiting
         row = json.loads(out.read_text())
         out.unlink()

@@ -131,6 +131,6 @@ def test_merge_names_the_failed_rank_and_the_ranks_stopped_after_it() -> None:
     echo = {"status": "error", "error": "Connection closed by peer", "cell_id": "c"}
     row = ranks.merge({"cell_id": "c"}, {0: echo, 1: oom}, 3)
     assert row["status"] == "oom" and row["oom_phase"] == "measure/backward"
-    assert row["error"] == "rank 1: CUDA out of memory\nranks without a row (stopped after another failed): [2]"
+    assert row["error"] == "rank 1: CUDA out of memory\nranks without a row: [2]"
     assert ranks.merge({"cell_id": "c"}, {1: echo}, 2)["error"].startswith("rank 1: Connection closed")
     assert ranks.merge({"cell_id": "c"}, {}, 2)["status"] == "error"
