@@ -64,6 +64,8 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("fsdp + qlora", "fsdp cannot be combined with qlora"),
     ("fsdp(precision=fp8)", "fsdp: option precision='fp8' is not one of pure, mixed"),
     ("padding + packing", "both set the data"),
+    ("packing(min_doc_frac=1.5)", "packing(min_doc_frac=1.5): min_doc_frac must be in (0, 1]"),
+    ("grad_accum(steps=1)", "grad_accum(steps=1): steps must be at least 2"),
     ("zero3 + offload(optimizer=false)", "offloads nothing"),
     ("zero2 + zero3", "both set the engine"),
     ("zero2 + mixed", "zero2 cannot be combined with mixed"),

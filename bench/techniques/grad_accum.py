@@ -18,9 +18,11 @@ def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
     return replace(setup, micro_batches=opts["steps"])
 
 
+def _validate(names: frozenset[str], opts: Options) -> str | None:
+    return None if opts["steps"] >= 2 else "steps must be at least 2"
+
+
 def _check_cell(seq_len: int, batch_size: int, opts: Options) -> str | None:
-    if opts["steps"] < 2:
-        return "steps must be at least 2"
     if batch_size % opts["steps"]:
         return f"batch {batch_size} does not split into {opts['steps']} equal micro-batches"
     return None
@@ -33,5 +35,6 @@ TECHNIQUE = Technique(
     options={"steps": 2},
     conflicts=("zero2", "zero3"),
     configure=_configure,
+    validate=_validate,
     check_cell=_check_cell,
 )

@@ -18,7 +18,7 @@ def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
     return replace(setup, data="pad", min_doc_frac=opts["min_doc_frac"])
 
 
-def _check_cell(seq_len: int, batch_size: int, opts: Options) -> str | None:
+def _validate(names: frozenset[str], opts: Options) -> str | None:
     return None if 0 < opts["min_doc_frac"] <= 1 else "min_doc_frac must be in (0, 1]"
 
 
@@ -28,6 +28,6 @@ TECHNIQUE = Technique(
     phase=Phase.DATA,
     slot="data",
     options={"min_doc_frac": 0.1},
-    check_cell=_check_cell,
+    validate=_validate,
     configure=_configure,
 )
