@@ -1,8 +1,9 @@
 """A bare reference training loop: the baseline stack in plain PyTorch, with no harness around it.
 
-`python -m bench.bareloop --model llama-3.2-3b --seq-len 2048 --batch-size 2` builds the model the
-way the worker does (shipped config, random bf16 weights on the device, fused AdamW, sdpa, labels =
-inputs), runs warm-up then measured steps, and prints one JSON line with the two figures the
+`python -m bench.bareloop --model llama-3.2-3b --seq-len 2048 --batch-size 2` builds the model as
+every cell does (`trainer.base_model`: shipped config, random bf16 weights on the device, sdpa) and
+trains it on the cell's tokens (`data.batches`, labels = inputs) with fused AdamW in a loop of its
+own, runs warm-up then measured steps, and prints one JSON line with the two figures the
 suite publishes: peak reserved memory and tokens/s over the measured steps (CUDA events). No phase
 tracking, no NVML sampler, no subprocess protocol: `bench overhead` runs it beside the suite's own
 rows of the same cells and reports the ratios, which is the harness's cost.
@@ -13,27 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import models
-
-GIB = 2**30
+from . import data, trainer
+from .measure import GIB
 
 
 def train(model_name: str, seq_len: int, batch_size: int, warmup: int, measure: int, seed: int) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    config = models.hf_config(models.get(model_name), "sdpa")
-    config.use_cache = False
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    model = trainer.base_model(model_name, "cuda", seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, config.vocab_size, (warmup + measure, batch_size, seq_len), device="cuda")
+    batches = data.batches("full", model.config.vocab_size, batch_size, seq_len, warmup + measure, seed, "cuda")
     events = []
-    for step in range(warmup + measure):
+    for step, batch in enumerate(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = model(input_ids=tokens[step], labels=tokens[step]).loss
+        loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -11,12 +11,13 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from . import models
 from .envinfo import HostCaps
 from .results import row_key
 from .spec import MatrixSpec, SpecError
-from .stacks import Stack
+from .stacks import Stack, Use
 
 CELL_SCHEMA = 1  # bump when the meaning of a cell's fields changes: every cell id changes with it
 
@@ -39,7 +40,7 @@ class Cell:
     gpus: int = 1  # ranks (one process and one GPU each); batch_size is per rank
 
     @property
-    def group(self) -> tuple[str, int, str, float | None, int]:
+    def group(self) -> Group:
         """Cells that differ only in batch size: the unit of OOM pruning."""
         return (self.model, self.seq_len, self.stack.label, self.budget_gib, self.gpus)
 
@@ -75,7 +76,8 @@ class Cell:
         """Names the row (and its raw file): the cell id, with `.rK` for repeats after the first."""
         return row_key(self.cell_id, self.repeat)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
+        """Every field, plus the cell id and the stack's label; `from_json` reads it back."""
         return {
             "cell_id": self.cell_id,
             "repeat": self.repeat,
@@ -95,6 +97,20 @@ class Cell:
             "gpus": self.gpus,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Cell:
+        """The cell `to_json` wrote (the runner -> worker handoff), options exactly as resolved."""
+        stack = Stack(tuple(Use(name, tuple(sorted(opts.items()))) for name, opts in data["stack_uses"]))
+        fields = {k: data[k] for k in ("matrix", "model", "seq_len", "batch_size", "device", "warmup_steps",
+                                       "measure_steps", "seed", "timeout_s", "repeat", "budget_gib", "checkpoint", "gpus")}
+        cell = cls(stack=stack, **fields)
+        if cell.cell_id != data["cell_id"]:
+            raise ValueError(f"cell {data['cell_id']} read back as {cell.cell_id}: the handoff lost a setting")
+        return cell
+
+
+Group = tuple[str, int, str, float | None, int]  # (model, seq_len, stack label, budget_gib, gpus): Cell.group
+
 
 @dataclass(frozen=True)
 class PlannedCell:
@@ -108,12 +124,20 @@ def resolve_device(matrix: MatrixSpec, host: HostCaps) -> str:
     return matrix.device
 
 
+def make_cell(matrix: MatrixSpec, device: str, model: str, seq_len: int, batch_size: int, stack: Stack,
+              gpus: int = 1, repeat: int = 0, budget_gib: float | None = None) -> Cell:
+    """A cell of this matrix: the matrix's steps, seed, timeout and checkpoint, the given coordinates."""
+    return Cell(matrix=matrix.name, model=model, seq_len=seq_len, batch_size=batch_size, stack=stack, device=device,
+                warmup_steps=matrix.warmup_steps, measure_steps=matrix.measure_steps, seed=matrix.seed,
+                timeout_s=matrix.timeout_s, repeat=repeat, budget_gib=budget_gib, checkpoint=matrix.checkpoint,
+                gpus=gpus)
+
+
 def expand(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[Cell]:
     """Every cell in run order; with repeats, each cell's repeats run back to back."""
     device = resolve_device(matrix, host)
     cells = [
-        Cell(matrix.name, model, seq, batch, stack, device, matrix.warmup_steps,
-             matrix.measure_steps, matrix.seed, matrix.timeout_s, repeat, checkpoint=matrix.checkpoint, gpus=gpus)
+        make_cell(matrix, device, model, seq, batch, stack, gpus=gpus, repeat=repeat)
         for model in matrix.models
         for gpus in matrix.gpus
         for seq in matrix.seq_lens
@@ -150,7 +174,7 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
         t = use.technique
         if t.families and family not in t.families:
             return f"{t.name} supports the {', '.join(t.families)} families, not {family} ({cell.model})"
-        problem = t.check_cell(cell.seq_len, cell.batch_size, use.opts) if t.check_cell else None
+        problem = t.check_cell(cell, use.opts) if t.check_cell else None
         if problem:
             return f"{use.label}: {problem}"
         if t.requires_cuda and cell.device != "cuda":

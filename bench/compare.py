@@ -22,8 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from .report import memory_column
-from .results import by_cell
+from .views import by_cell, peak_column
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def resolve(ref: str, results_dir: Path) -> Path:
 
 
 def compare(base: pd.DataFrame, cand: pd.DataFrame, gate: Gate = Gate()) -> list[CellDiff]:
-    mem_col, _ = memory_column(base)  # the leaderboard's "peak": reserved on GPU, host RSS on CPU
+    mem_col = peak_column(base)  # the leaderboard's "peak": reserved on GPU, host RSS on CPU
     cand_by_id = {r["cell_id"]: r for r in by_cell(cand).to_dict("records")}
     return [_diff(b, cand_by_id.get(b["cell_id"]), mem_col, gate) for b in by_cell(base).to_dict("records")]
 

@@ -68,11 +68,6 @@ def batches(layout: str, vocab_size: int, batch_size: int, seq_len: int, steps: 
                     for t in (b.input_ids, b.labels, b.attention_mask, b.position_ids))) for b in whole]
 
 
-def token_batches(vocab_size: int, batch_size: int, seq_len: int, steps: int, seed: int, device: str) -> list[Any]:
-    """Plain token tensors of the full layout (the bare reference loop uses these)."""
-    return [b.input_ids for b in batches("full", vocab_size, batch_size, seq_len, steps, seed, device)]
-
-
 def _doc_length(gen: Any, seq_len: int, min_doc_frac: float) -> int:
     """Uniform in [min_doc_frac * seq_len, seq_len]."""
     import torch

@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from .measure import GIB, nvml_device_handle
+
 OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes")  # import names
 VERSIONED = ("torch", "transformers", "peft", "deepspeed", "liger-kernel", "bitsandbytes", "accelerate")
 REPO = Path(__file__).resolve().parent.parent
@@ -77,12 +79,10 @@ def gpu_info(cuda_devices: int) -> dict[str, object]:
         import pynvml
 
         pynvml.nvmlInit()
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit()
-                  else pynvml.nvmlDeviceGetHandleByUUID(first))
+        handle = nvml_device_handle(pynvml)
         name = pynvml.nvmlDeviceGetName(handle)
         info["gpu_name"] = name.decode() if isinstance(name, bytes) else name
-        info["gpu_memory_gib"] = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
+        info["gpu_memory_gib"] = pynvml.nvmlDeviceGetMemoryInfo(handle).total / GIB
         info["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
     except Exception:  # no NVML library: GPU fields stay empty rather than failing the run
         pass

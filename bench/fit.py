@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import results, runner
-from .cells import Cell, PlannedCell, resolve_device, skip_reason
+from .cells import Cell, PlannedCell, make_cell, resolve_device, skip_reason
 from .envinfo import HostCaps
 from .spec import MatrixSpec
 from .stacks import Stack
@@ -103,9 +103,8 @@ class FrontierRun:
         for budget in sorted(plan.budgets_gib):  # what fits under a smaller budget fits under this one
             def cell_for(size: int, budget: float = budget) -> Cell:
                 seq, batch = (fixed, size) if axis == "batch" else (size, fixed)
-                m = self.matrix
-                return Cell(m.name, model, seq, batch, stack, resolve_device(m, self.host), m.warmup_steps,
-                            m.measure_steps, m.seed, m.timeout_s, budget_gib=budget)
+                device = resolve_device(self.matrix, self.host)
+                return make_cell(self.matrix, device, model, seq, batch, stack, budget_gib=budget)
 
             ran: list[int] = []
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import results
-from .report import _rate
+from .views import rate
 
 
 def publish(summary: list[dict], probe_rows: list[dict], out_dir: Path, run_id: str) -> Path:
@@ -42,7 +42,7 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         fits = group[group["largest_ok"].notna()].sort_values("tokens_per_s", ascending=False)
         for rank, (_, r) in enumerate(fits.iterrows(), 1):
-            lines.append(f"| {rank} | `{r['stack']}` | {int(r['largest_ok'])} | {_rate(r['tokens_per_s'])} | "
+            lines.append(f"| {rank} | `{r['stack']}` | {int(r['largest_ok'])} | {rate(r['tokens_per_s'])} | "
                          f"{_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | {_int(r['smallest_oom'])} | "
                          f"{r['probes']} |")
         for _, r in group[group["largest_ok"].isna()].iterrows():
@@ -55,7 +55,7 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
                   "| budget GiB | stack | longest seq | smallest OOM seq | tokens/s | probes |", "|---|---|---|---|---|---|"]
         for _, r in seq.sort_values(["budget_gib", "stack"]).iterrows():
             lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} | "
-                         f"{_rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
+                         f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
     return "\n".join(lines) + "\n"
 
 

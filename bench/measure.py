@@ -120,15 +120,28 @@ class PhaseTracker:
         training = {k: v for k, v in self.peaks.items() if not k.startswith("checkpoint/")} or self.peaks
         steady = [v for k, v in training.items() if k.startswith("measure/")]
         saving = [v for k, v in self.peaks.items() if k.startswith("checkpoint/")]
-        top = max(training, key=lambda k: training[k][0])
-        out: dict[str, Any] = {"peak_phase": top}
-        for i, name in enumerate(("allocated", "reserved", "active")):
-            out[f"peak_{name}_gib"] = max(v[i] for v in training.values()) / GIB
-            out[f"steady_peak_{name}_gib"] = max(v[i] for v in steady) / GIB if steady else None
+        overall, measured, save = _max_gib(training.values()), _max_gib(steady), _max_gib(saving)
+        out: dict[str, Any] = {
+            "peak_phase": max(training, key=lambda k: training[k][0]),
+            "peak_allocated_gib": overall[0],
+            "peak_reserved_gib": overall[1],
+            "peak_active_gib": overall[2],
+            "steady_peak_allocated_gib": measured[0],
+            "steady_peak_reserved_gib": measured[1],
+            "steady_peak_active_gib": measured[2],
+        }
         if saving:
-            out["checkpoint_peak_allocated_gib"] = max(v[0] for v in saving) / GIB
-            out["checkpoint_peak_reserved_gib"] = max(v[1] for v in saving) / GIB
+            out.update(checkpoint_peak_allocated_gib=save[0], checkpoint_peak_reserved_gib=save[1])
         return out
+
+
+def _max_gib(peaks: Any) -> tuple[float | None, float | None, float | None]:
+    """Per counter (allocated, reserved, active), the max over these phases' peaks in GiB; None if no phase."""
+    peaks = list(peaks)
+    if not peaks:
+        return None, None, None
+    allocated, reserved, active = (max(p[i] for p in peaks) / GIB for i in range(3))
+    return allocated, reserved, active
 
 
 class NvmlSampler:
@@ -139,21 +152,12 @@ class NvmlSampler:
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = self._visible_device_handle()
+        self._handle = nvml_device_handle(pynvml, int(os.environ.get("LOCAL_RANK", "0")))
         self.baseline_bytes = self._used()
         self.peak_bytes = self.baseline_bytes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
         self._thread.start()
-
-    def _visible_device_handle(self) -> Any:
-        """This rank's GPU: entry LOCAL_RANK of CUDA_VISIBLE_DEVICES (an index or a UUID)."""
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        mine = visible.split(",")[local_rank].strip() if visible else str(local_rank)
-        if mine.isdigit():
-            return self._nvml.nvmlDeviceGetHandleByIndex(int(mine))
-        return self._nvml.nvmlDeviceGetHandleByUUID(mine)
 
     def _used(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
@@ -172,6 +176,16 @@ class NvmlSampler:
         self._thread.join()
         self.peak_bytes = max(self.peak_bytes, self._used())
         return (self.peak_bytes - self.baseline_bytes) / GIB
+
+
+def nvml_device_handle(pynvml: Any, local_rank: int = 0) -> Any:
+    """The NVML handle of this process's GPU: entry `local_rank` of CUDA_VISIBLE_DEVICES (an index or
+    a UUID), or GPU `local_rank` when the variable is not set. NVML ignores CUDA_VISIBLE_DEVICES itself."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = visible.split(",")[local_rank].strip() if visible else str(local_rank)
+    if mine.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(mine))
+    return pynvml.nvmlDeviceGetHandleByUUID(mine)
 
 
 def start_nvml_sampler() -> NvmlSampler | None:

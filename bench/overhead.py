@@ -16,8 +16,8 @@ from typing import Any
 import pandas as pd
 
 from .envinfo import REPO
-from .results import by_cell
 from .stacks import BASELINE
+from .views import by_cell
 
 
 def compare_with_bare_loop(frame: pd.DataFrame, only: str | None, timeout_s: float = 600) -> list[dict[str, Any]]:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .report import memory_column
-from .results import by_cell
 from .stacks import BASELINE
+from .views import by_cell, peak_column
 
 
 def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
@@ -26,7 +25,7 @@ def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     except ImportError:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    mem_col, _ = memory_column(frame)
+    mem_col = peak_column(frame)
     cells = by_cell(frame)
     # One-GPU cells only: a multi-GPU cell's per-GPU peak and all-GPU tokens/s do not share these axes.
     ok = cells[(cells["status"] == "ok") & (cells["gpus"] == 1)]
@@ -128,9 +127,9 @@ def breakdown_gib(rows: pd.DataFrame) -> dict[str, pd.Series]:
     }
 
 
-def _save(fig, ax, path: Path, legend_cols: int = 1) -> Path:
+def _save(fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncols=legend_cols)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt

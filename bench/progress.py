@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .cells import Cell
+from .views import row_peak_gib
 
 _STYLE = {"ok": "green", "oom": "yellow", "skipped": "dim", "host_oom": "yellow", "error": "red", "timeout": "red"}
 
@@ -42,7 +43,7 @@ class RichProgress:
 
 def _detail(row: dict[str, Any]) -> str:
     if row["status"] == "ok":
-        peak = row.get("peak_reserved_gib") or row.get("host_rss_peak_gib")
+        peak = row_peak_gib(row)
         return f"peak {peak:.2f} GiB, {row['tokens_per_s']:.0f} tok/s, {row.get('wall_s', 0):.0f} s"
     if row["status"] == "oom":
         return f"in {row.get('oom_phase')}"

@@ -28,8 +28,7 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
     present = [r for r in rows if r is not None]
     if not present:
         return base | {"status": "error", "error": "no rank wrote a row"}
-    first = rows[0] or present[0]
-    row = dict(first)
+    row = base | (rows[0] or present[0])
     for col in MEMORY_COLUMNS:
         values = [r[col] for r in present if r.get(col) is not None]
         row[col] = max(values) if values else None
@@ -44,12 +43,11 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
             return row | {"status": "error", "error": note}
         return row | {"status": bad["status"], "oom_phase": bad.get("oom_phase"),
                       "error": f"rank {i}: {bad.get('error') or ''}" + (f"\n{note}" if note else "")}
-    return row | _throughput(present) | {"losses_json": _mean_losses(present)}
+    return row | _throughput(present, base["measure_steps"]) | {"losses_json": _mean_losses(present)}
 
 
-def _throughput(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _throughput(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     slowest_s = max(r["measured_s"] for r in rows)
-    steps = rows[0]["measure_steps"]
     tokens_per_step = sum(r["tokens_per_step"] for r in rows)
     useful_per_step = sum(r["useful_tokens_per_step"] for r in rows)
     return {

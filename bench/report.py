@@ -9,28 +9,20 @@ OOM and skipped cells stay visible in the grid and are listed with their reasons
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from .results import by_cell, read_parquet
+from .plots import write_plots
+from .results import STATUSES, read_parquet
 from .stacks import BASELINE
-
-
-def memory_column(frame: pd.DataFrame) -> tuple[str, str]:
-    """The figure a cell shows as 'peak', and its definition for the caption."""
-    if (frame["device"] == "cuda").any():
-        return ("peak_reserved_gib", "overall peak reserved by the caching allocator, from model build "
-                "through the first (optimizer-state) step to the last: what must fit on the card, "
-                "CUDA context not included (see nvml_peak_gib in the parquet for that)")
-    return ("host_rss_peak_gib", "peak resident memory of the worker process (CPU run: weights, "
-            "activations and optimizer state live in host RAM, with the Python runtime and libraries)")
+from .views import PEAK_DEFINITIONS, by_cell, gib, pct, peak_column, rate, stable_peak_column
 
 
 def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = ()) -> str:
     runs = frame
     frame = by_cell(frame).sort_values(["model", "seq_len", "stack", "batch_size"])
-    mem_col, mem_def = memory_column(frame)
+    mem_col = peak_column(frame)
+    mem_def = PEAK_DEFINITIONS[mem_col]
     first = frame.iloc[0]
     lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command, len(runs)), "",
              f"Each cell: **peak GiB · tokens/s**. Peak = {mem_def}. Tokens/s = tokens in the "
@@ -57,7 +49,7 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
 def _caption(frame: pd.DataFrame, command: str, n_runs: int) -> list[str]:
     r = frame.iloc[0]
     if r["device"] == "cuda":
-        machine = f"{r['gpu_name']} ({_num(r['gpu_memory_gib'])} GiB) ×{r['gpu_count']}, driver {r['driver']}, CUDA {r['cuda']}"
+        machine = f"{r['gpu_name']} ({gib(r['gpu_memory_gib'])} GiB) ×{r['gpu_count']}, driver {r['driver']}, CUDA {r['cuda']}"
     else:
         machine = f"CPU only: {r['cpu_name']}"
     libs = ", ".join(f"{name} {'/'.join(_distinct(frame[f'{name}_version']))}" for name in (
@@ -66,7 +58,7 @@ def _caption(frame: pd.DataFrame, command: str, n_runs: int) -> list[str]:
     shas = sorted({str(s)[:7] for s in frame["git_sha"].dropna()}) or ["unknown"]
     sha = "`, `".join(shas)  # a resumed run can span commits; each row keeps its own
     counts = frame["status"].value_counts()
-    status = ", ".join(f"{counts[s]} {s}" for s in ("ok", "oom", "host_oom", "skipped", "error", "timeout") if s in counts)
+    status = ", ".join(f"{counts[s]} {s}" for s in STATUSES if s in counts)
     return [
         f"- Machine: {machine}",
         f"- Libraries: {libs}; Python {r['python']}",
@@ -111,9 +103,9 @@ def _ladder(group: pd.DataFrame, rungs: tuple[str, ...], mem_col: str) -> list[s
         row, change = at.loc[stack], ""
         if i:
             prev = at.loc[rungs[i - 1]]
-            change = (f"mem {_pct(row[mem_col] / prev[mem_col] - 1)}, "
-                      f"tok/s {_pct(row['tokens_per_s'] / prev['tokens_per_s'] - 1)}")
-        lines.append(f"| {i} | `{stack}` | {_num(row[mem_col])} | {_rate(row['tokens_per_s'])} | {change} |")
+            change = (f"mem {pct(row[mem_col] / prev[mem_col] - 1)}, "
+                      f"tok/s {pct(row['tokens_per_s'] / prev['tokens_per_s'] - 1)}")
+        lines.append(f"| {i} | `{stack}` | {gib(row[mem_col])} | {rate(row['tokens_per_s'])} | {change} |")
     return [*lines, ""]
 
 
@@ -121,10 +113,10 @@ def _cell(row: pd.Series, mem_col: str) -> str:
     if row["status"] == "ok":
         nvml = row.get("nvml_peak_gib")
         unseen = mem_col == "peak_reserved_gib" and pd.notna(nvml) and nvml - row[mem_col] > UNSEEN_BY_TORCH_GIB
-        device = f" (NVML {_num(nvml)})" if unseen else ""
+        device = f" (NVML {gib(nvml)})" if unseen else ""
         useful = row.get("useful_tokens_per_s")
-        padded = f" (useful {_rate(useful)})" if pd.notna(useful) and useful < 0.999 * row["tokens_per_s"] else ""
-        return f"{_num(row[mem_col])} GiB{device} · {_rate(row['tokens_per_s'])}{padded}"
+        padded = f" (useful {rate(useful)})" if pd.notna(useful) and useful < 0.999 * row["tokens_per_s"] else ""
+        return f"{gib(row[mem_col])} GiB{device} · {rate(row['tokens_per_s'])}{padded}"
     if row["status"] == "oom":
         return f"OOM ({row['oom_phase']})"
     if row["status"] == "skipped":
@@ -142,7 +134,7 @@ def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str)
     b = shared[-1]
     mem = ok.loc[b, mem_col] / base_ok.loc[b, mem_col] - 1
     rate = ok.loc[b, "tokens_per_s"] / base_ok.loc[b, "tokens_per_s"] - 1
-    return f"mem {_pct(mem)}, tok/s {_pct(rate)} (b={b})"
+    return f"mem {pct(mem)}, tok/s {pct(rate)} (b={b})"
 
 
 def _distinct(values: pd.Series) -> list[str]:
@@ -161,8 +153,8 @@ def _checkpoints(frame: pd.DataFrame, mem_col: str) -> list[str]:
              "process's overall RSS peak exists.", "",
              "| cell | saved | training peak GiB | save peak GiB | save s | on disk GiB |", "|---|---|---|---|---|---|"]
     for _, r in saved.iterrows():
-        save_peak = _num(r[save_col]) if save_col and pd.notna(r[save_col]) else ""
-        lines.append(f"| `{r['cell_id']}` | {r['checkpoint']} | {_num(r[mem_col])} | {save_peak} | "
+        save_peak = gib(r[save_col]) if save_col and pd.notna(r[save_col]) else ""
+        lines.append(f"| `{r['cell_id']}` | {r['checkpoint']} | {gib(r[mem_col])} | {save_peak} | "
                      f"{r['checkpoint_s']:.2f} | {r['checkpoint_disk_gib']:.4f} |")
     return [*lines, ""]
 
@@ -172,14 +164,14 @@ def _repeatability(frame: pd.DataFrame) -> list[str]:
     rep = frame[frame["repeats"] > 1]
     if rep.empty:
         return []
-    peak_col = "peak_allocated_gib" if rep["peak_allocated_gib"].notna().all() else "host_rss_peak_gib"
+    peak_col = stable_peak_column(rep)
     lines = ["## Repeatability", "",
              f"Cells run several times, each in a fresh process. Spread of `{peak_col}` = (max − min) / min; "
              "tokens/s CV = stdev / mean across repeats.", "",
              f"| cell | repeats | {peak_col} (max) | spread | tokens/s (median) | CV |", "|---|---|---|---|---|---|"]
     for _, r in rep.iterrows():
-        lines.append(f"| `{r['cell_id']}` | {r['repeats']} | {_num(r[peak_col])} | "
-                     f"{r['peak_spread']:.2%} | {_rate(r['tokens_per_s'])} | {r['tokens_per_s_cv']:.2%} |")
+        lines.append(f"| `{r['cell_id']}` | {r['repeats']} | {gib(r[peak_col])} | "
+                     f"{r['peak_spread']:.2%} | {rate(r['tokens_per_s'])} | {r['tokens_per_s_cv']:.2%} |")
     return [*lines, ""]
 
 
@@ -193,18 +185,6 @@ def _not_ok(frame: pd.DataFrame) -> list[str]:
         first_line = str(why).strip().splitlines()[-1] if pd.notna(why) and str(why).strip() else ""
         lines.append(f"| `{r['cell_id']}` | {r['status']} | {first_line.replace('|', '/')} |")
     return [*lines, ""]
-
-
-def _pct(x: float) -> str:
-    return "±0%" if round(x * 100) == 0 else f"{x:+.0%}"
-
-
-def _num(x: Any) -> str:
-    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
-
-
-def _rate(x: float) -> str:
-    return f"{x / 1000:.1f}k tok/s" if x >= 1000 else f"{x:.0f} tok/s"
 
 
 def headline_run(matrix_dir: Path) -> Path:
@@ -224,8 +204,6 @@ def headline_run(matrix_dir: Path) -> Path:
 def publish(parquet: Path, ladder: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Writes the run's own board (runs/<run_id>.md) and regenerates the matrix's LEADERBOARD.md
     (with plots/) from its headline run. Returns (run board, leaderboard)."""
-    from .plots import write_plots
-
     run_board = parquet.with_suffix(".md")
     run_frame = read_parquet(parquet)
     run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder))

@@ -42,7 +42,7 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("budget_gib", "float", "memory budget emulated for this cell (bench fit), GiB; empty: the whole card"),
     ("allocator_cap_gib", "float", "cap on torch's caching allocator: budget - memory used outside torch, GiB"),
     ("checkpoint", "str", "none | model | full: what was saved after the last step (checkpoint_* columns)"),
-    ("status", "str", "ok | oom | host_oom | skipped | error | timeout"),
+    ("status", "str", " | ".join(STATUSES)),
     ("oom_phase", "str", "for oom: stage/phase it happened in (build, first_step/backward, ...)"),
     ("skip_reason", "str", "for skipped: why (a requirement, a rule, or pruned after an OOM)"),
     ("error", "str", "for error/timeout/host_oom: the tail of the exception or of the worker's log"),
@@ -126,11 +126,16 @@ def check_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_atomic(path: Path, row: dict[str, Any]) -> None:
+    """A whole row, checked against the schema, written atomically (`write_json_atomic`)."""
+    write_json_atomic(path, check_row(row))
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """A reader (or a resumed run) sees the old file or the whole new one, never half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump(check_row(row), f, indent=1, default=str)
+        json.dump(data, f, indent=1, default=str)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -197,32 +202,3 @@ def read_parquet(path: Path):
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))
-
-
-def by_cell(frame):
-    """One row per cell for reports: repeats folded into the first repeat's row.
-
-    Memory columns: the max over ok repeats (what must fit). tokens_per_s: the median. Added:
-    `repeats` (ok runs), `tokens_per_s_cv` (stdev / mean across repeats) and
-    `peak_spread` ((max - min) / min across repeats of peak_allocated_gib, or of host_rss_peak_gib
-    on the CPU, which has no allocator counters).
-    """
-    import pandas as pd
-
-    frame = frame.assign(repeat=frame["repeat"].fillna(0)) if "repeat" in frame else frame.assign(repeat=0)
-    rows = []
-    for _, group in frame.sort_values("repeat").groupby("cell_id", sort=False):
-        row = group.iloc[0].copy()
-        ok = group[group["status"] == "ok"]
-        row["repeats"] = len(ok)
-        if len(ok) > 1:
-            for col in MEMORY_COLUMNS:
-                row[col] = ok[col].max()
-            tps = ok["tokens_per_s"].astype(float)
-            row["tokens_per_s"] = tps.median()
-            row["tokens_per_s_cv"] = tps.std(ddof=0) / tps.mean()
-            peak_col = "peak_allocated_gib" if ok["peak_allocated_gib"].notna().all() else "host_rss_peak_gib"
-            peak = ok[peak_col].astype(float)
-            row["peak_spread"] = (peak.max() - peak.min()) / peak.min()
-        rows.append(row)
-    return pd.DataFrame(rows).reset_index(drop=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from . import distributed, ranks, results
-from .cells import Cell, PlannedCell
+from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
 
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
@@ -64,7 +64,7 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
     """Runs every cell of the plan not yet finished; returns the run's rows (cell_id -> row)."""
     raw_dir = opts.results_dir / "raw" / opts.run_id
     rows = results.read_raw(raw_dir)
-    oom_batch = _oom_batches(rows.values())
+    oom_batch = _oom_batches(planned, rows)
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
     progress.start(len(todo))
     spare: Worker | None = None
@@ -73,15 +73,16 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
             cell = pc.cell
             reason = pc.skip_reason or _pruned(cell, oom_batch, opts)
             progress.cell_started(cell)
+            base = _base_row(cell, opts, provenance)
             if reason:
-                row = _base_row(cell, opts, provenance) | {"status": "skipped", "skip_reason": reason}
+                row = base | {"status": "skipped", "skip_reason": reason}
             else:
-                request = _request(cell, opts, provenance, raw_dir)
+                request = _request(cell, raw_dir)
                 worker = spare if spare is not None and spare.cell == cell else _spawn(cell, raw_dir, request)
                 if spare is not worker:
                     _discard(spare)
                 nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
-                spare, row = _finish(worker, request, raw_dir, next_cell=nxt)
+                spare, row = _finish(worker, request, base, raw_dir, next_cell=nxt)
             results.write_atomic(raw_dir / f"{cell.row_key}.json", row)
             rows[cell.row_key] = row
             if row["status"] == "oom":
@@ -99,15 +100,14 @@ def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) 
     return key not in rows or rows[key]["status"] in opts.redo or "all" in opts.redo
 
 
-Group = tuple[str, int, str, float | None, int]  # Cell.group
-
-
-def _oom_batches(rows: Any) -> dict[Group, int]:
+def _oom_batches(planned: list[PlannedCell], rows: dict[str, dict[str, Any]]) -> dict[Group, int]:
+    """The smallest batch that ran out of memory in each group of the plan, from the rows recorded so far."""
     smallest: dict[Group, int] = {}
-    for r in rows:
-        if r["status"] == "oom":
-            group = (r["model"], r["seq_len"], r["stack"], r.get("budget_gib"), r.get("gpus") or 1)
-            smallest[group] = min(r["batch_size"], smallest.get(group, r["batch_size"]))
+    for pc in planned:
+        row = rows.get(pc.cell.row_key)
+        if row is not None and row["status"] == "oom":
+            group, batch = pc.cell.group, pc.cell.batch_size
+            smallest[group] = min(batch, smallest.get(group, batch))
     return smallest
 
 
@@ -155,12 +155,12 @@ def _cell_env(cell: Cell) -> dict[str, str]:
     return env
 
 
-def _request(cell: Cell, opts: RunOptions, provenance: dict[str, Any], raw_dir: Path) -> dict[str, Any]:
-    """What a worker is handed: the cell, the row so far, and where to write the finished row."""
+def _request(cell: Cell, raw_dir: Path) -> dict[str, Any]:
+    """What a worker is handed: the cell, and where to write what it measured."""
     out = raw_dir / f".{cell.row_key}.worker.json"
     for stale in (out, *(results.rank_path(out, r) for r in range(cell.gpus))):
         stale.unlink(missing_ok=True)
-    return {"cell": cell.to_json(), "row": _base_row(cell, opts, provenance), "out": str(out)}
+    return {"cell": cell.to_json(), "out": str(out)}
 
 
 def _spawn(cell: Cell, raw_dir: Path, request: dict[str, Any] | None = None) -> Worker:
@@ -199,11 +199,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _finish(worker: Worker, request: dict[str, Any], raw_dir: Path,
+def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_dir: Path,
             next_cell: Cell | None) -> tuple[Worker | None, dict[str, Any]]:
-    """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row)."""
+    """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row):
+    `base` (what the runner knows of the cell) with what the worker measured, or how it ended."""
     cell, proc = worker.cell, worker.proc
-    base, out = request["row"], Path(request["out"])
+    out = Path(request["out"])
     started = time.monotonic()
     if proc.stdin is not None:
         try:
@@ -226,8 +227,8 @@ def _finish(worker: Worker, request: dict[str, Any], raw_dir: Path,
         row = ranks.merge(base, rank_rows, cell.gpus)  # every rank's row: ok, even if one then hung exiting
         if timed_out and row["status"] == "error":  # no rank failed: the missing ones were still running
             row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n{row['error']}"}
-    elif out.exists():  # the worker's own row wins, even if it hung while exiting
-        row = json.loads(out.read_text())
+    elif out.exists():  # the worker's own measurements win, even if it hung while exiting
+        row = base | json.loads(out.read_text())
         out.unlink()
     elif timed_out:
         row = base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n" + _log_tail(worker)}

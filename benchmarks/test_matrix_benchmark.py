@@ -1,8 +1,8 @@
 """pytest-benchmark view of a matrix (default: `regress` on a GPU, `smoke` on a CPU).
 
 For teams whose CI already stores and compares pytest-benchmark results. Each test builds one
-cell in-process exactly as the worker does (`bench.worker.prepare`: model, stack, optimizer), then
-pytest-benchmark times the training step: `warmup_steps` warm-up rounds, `measure_steps` measured
+cell in-process exactly as the worker does (`bench.trainer.build`: model, stack, engine), then
+pytest-benchmark times the training step (`Trainer.step`): `warmup_steps` warm-up rounds, `measure_steps` measured
 rounds, one step per round, synchronized on the GPU. Memory goes in `extra_info` (GiB):
 `peak_reserved_gib` / `peak_allocated_gib` on the GPU (reset per test), `host_rss_peak_gib` on the
 CPU (the pytest process's peak so far: an upper bound, since cells share the process here).
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from bench import cells, data, envinfo, measure, spec, worker
+from bench import cells, envinfo, measure, spec, trainer
 
 MATRIX_FILE = Path(__file__).resolve().parents[1] / "matrix.yaml"
 
@@ -46,20 +46,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_train_step(benchmark: Any, cell: cells.Cell) -> None:
     import torch
 
-    job = cell.to_json()
     cuda = cell.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, optimizer, setup = worker.prepare(job)
-    held = {"model": model, "optimizer": optimizer}  # dropped at the end: the next cell starts empty
-    vocab_size = getattr(model, "module", model).config.vocab_size  # an engine wraps the model as .module
-    batches = iter(data.batches(setup.data, vocab_size, cell.batch_size, cell.seq_len,
-                                cell.warmup_steps + cell.measure_steps, cell.seed, cell.device, setup.min_doc_frac))
-    del model, optimizer
-    autocast = worker.autocast_for(setup, cell.device)
+    held = {"trainer": trainer.build(cell)}  # dropped at the end: the next cell starts empty
+    batches = iter(held["trainer"].batches())
 
     def step() -> None:
-        worker.train_step(held["model"], held["optimizer"], next(batches), autocast, setup.micro_batches)
+        held["trainer"].step(next(batches))
         if cuda:
             torch.cuda.synchronize()
 

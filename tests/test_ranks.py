@@ -115,11 +115,11 @@ def test_a_hung_torchrun_cell_times_out_and_leaves_no_rank_running(workdir: Path
 def test_merge_takes_max_memory_summed_tokens_and_mean_losses() -> None:
     def rank_row(peak: float, seconds: float, losses: list[float]) -> dict:
         return {"status": "ok", "peak_reserved_gib": peak, "host_rss_peak_gib": 1.0, "measured_s": seconds,
-                "measure_steps": 2, "tokens_per_step": 100, "useful_tokens_per_step": 80.0,
-                "losses_json": json.dumps(losses), "cell_id": "c"}
+                "tokens_per_step": 100, "useful_tokens_per_step": 80.0, "losses_json": json.dumps(losses)}
 
-    row = ranks.merge({"cell_id": "c"}, {0: rank_row(3.0, 1.0, [2.0, 1.0]), 1: rank_row(5.0, 2.0, [4.0, 3.0])}, 2)
-    assert row["status"] == "ok" and row["peak_reserved_gib"] == 5.0
+    by_rank = {0: rank_row(3.0, 1.0, [2.0, 1.0]), 1: rank_row(5.0, 2.0, [4.0, 3.0])}
+    row = ranks.merge({"cell_id": "c", "measure_steps": 2}, by_rank, 2)
+    assert row["status"] == "ok" and row["peak_reserved_gib"] == 5.0 and row["cell_id"] == "c"
     assert row["tokens_per_s"] == 200 * 2 / 2.0 and row["useful_tokens_per_s"] == 160 * 2 / 2.0
     assert row["tokens_per_s_per_gpu"] == 100.0
     assert json.loads(row["losses_json"]) == [3.0, 2.0]
@@ -127,8 +127,8 @@ def test_merge_takes_max_memory_summed_tokens_and_mean_losses() -> None:
 
 
 def test_merge_names_the_failed_rank_and_the_ranks_stopped_after_it() -> None:
-    oom = {"status": "oom", "oom_phase": "measure/backward", "error": "CUDA out of memory", "cell_id": "c"}
-    echo = {"status": "error", "error": "Connection closed by peer", "cell_id": "c"}
+    oom = {"status": "oom", "oom_phase": "measure/backward", "error": "CUDA out of memory"}
+    echo = {"status": "error", "error": "Connection closed by peer"}
     row = ranks.merge({"cell_id": "c"}, {0: echo, 1: oom}, 3)
     assert row["status"] == "oom" and row["oom_phase"] == "measure/backward"
     assert row["error"] == "rank 1: CUDA out of memory\nranks without a row: [2]"

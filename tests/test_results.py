@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench import measure, results
+from bench import measure, results, views
 
 
 def _row(**extra: object) -> dict:
@@ -56,11 +56,13 @@ def test_repeats_fold_into_one_row_per_cell() -> None:
     import pandas as pd
 
     frame = pd.DataFrame([
-        {"cell_id": "a", "repeat": r, "status": "ok", "tokens_per_s": tps, **dict.fromkeys(results.MEMORY_COLUMNS, 1.0),
+        {"cell_id": "a", "repeat": r, "status": "ok", "device": "cuda", "tokens_per_s": tps,
+         **dict.fromkeys(results.MEMORY_COLUMNS, 1.0),
          "peak_allocated_gib": alloc}
         for r, tps, alloc in ((0, 100.0, 10.0), (1, 110.0, 10.1), (2, 90.0, 10.0))
-    ] + [{"cell_id": "b", "repeat": None, "status": "oom", "tokens_per_s": None, **dict.fromkeys(results.MEMORY_COLUMNS)}])
-    cells = results.by_cell(frame).set_index("cell_id")
+    ] + [{"cell_id": "b", "repeat": None, "status": "oom", "device": "cuda", "tokens_per_s": None,
+          **dict.fromkeys(results.MEMORY_COLUMNS)}])
+    cells = views.by_cell(frame).set_index("cell_id")
     assert cells.loc["a", "repeats"] == 3 and cells.loc["a", "tokens_per_s"] == 100.0
     assert cells.loc["a", "peak_allocated_gib"] == 10.1
     assert cells.loc["a", "peak_spread"] == pytest.approx(0.01)

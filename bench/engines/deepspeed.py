@@ -1,23 +1,79 @@
-"""DeepSpeed as the cell's engine: config assembled from the stack's fragments, one process, world size 1.
+"""DeepSpeed as the cell's engine: config assembled from the stack's fragments; world size 1, or
+torchrun's ranks.
 
 The base config is the suite's baseline translated to DeepSpeed: micro-batch = the cell's batch, no
 accumulation, bf16 — which in DeepSpeed means bf16 weights with **fp32 master weights and fp32 Adam
 states** in the optimizer (compare with the `mixed` stack, not only with the pure-bf16 baseline) —
 and AdamW at the suite's learning rate, with `torch_adam: true`: torch's AdamW instead of DeepSpeed's
 JIT-built FusedAdam / CPUAdam, so no kernel is compiled at run time (the engine techniques' option
-`adam=deepspeed` selects those).
+`adam=deepspeed` selects those). DeepSpeed owns backward (loss scaling, gradient partitioning), the
+step (which also zeroes the gradients) and its own checkpoint formats.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .. import distributed
-from ..techniques.base import Technique, TrainSetup
+from ..techniques.base import Evidence, Options, Technique, TrainSetup
+from .base import EngineJob
 
 
-def config(uses: list[tuple[Technique, dict[str, Any]]], setup: TrainSetup, batch_size: int) -> dict[str, Any]:
+@dataclass
+class DeepSpeedEngine:
+    model: Any  # the DeepSpeedEngine: forward, backward and step go through it
+    optimizer: Any  # its ZeRO optimizer, which wraps torch's
+
+    def backward(self, loss: Any) -> None:
+        self.model.backward(loss)
+
+    def step(self) -> None:
+        self.model.step()
+
+    def save(self, kind: str, directory: Path) -> None:
+        """full: each rank its partition of fp32 master weights and optimizer state; model: the 16-bit
+        weights (ZeRO-3 first gathers its partitions)."""
+        if kind == "full":
+            self.model.save_checkpoint(str(directory))
+        elif not self.model.save_16bit_model(str(directory)):
+            raise RuntimeError("DeepSpeed did not save the 16-bit model (stage3_gather_16bit_weights_on_model_save?)")
+
+    def optimizer_state(self) -> Iterable[Any]:
+        import torch
+
+        inner = self.optimizer
+        while hasattr(inner, "optimizer"):  # DeepSpeed's ZeRO optimizer -> torch's AdamW, which holds the state
+            inner = inner.optimizer
+        return (t for state in inner.state.values() for t in state.values() if torch.is_tensor(t))
+
+
+def wrap(job: EngineJob) -> tuple[DeepSpeedEngine, Evidence]:
+    """The engine, and evidence of what it reports it does."""
+    import deepspeed
+    import torch
+
+    cuda = torch.cuda.is_available()
+    distributed.init(cuda)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # adopts the group above
+    ds_config = config(job.uses, job.setup, job.cell.batch_size)
+    engine, optimizer, _, _ = deepspeed.initialize(model=job.model, model_parameters=list(job.trainable),
+                                                   config=copy.deepcopy(ds_config))
+    offload_param = engine.zero_offload_param()
+    evidence = {
+        "zero_stage": engine.zero_optimization_stage(),
+        "offload_optimizer": "cpu" if engine.zero_cpu_offload() else "none",
+        "offload_param": str(offload_param.device.value) if offload_param is not None else "none",
+        "ds_world_size": torch.distributed.get_world_size(),
+        "ds_optimizer": f"{type(optimizer).__name__}({type(getattr(optimizer, 'optimizer', None)).__name__})",
+    }
+    return DeepSpeedEngine(engine, optimizer), evidence
+
+
+def config(uses: tuple[tuple[Technique, Options], ...], setup: TrainSetup, batch_size: int) -> dict[str, Any]:
     merged: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
@@ -32,26 +88,6 @@ def config(uses: list[tuple[Technique, dict[str, Any]]], setup: TrainSetup, batc
         if technique.ds_config is not None:
             _merge(merged, technique.ds_config(opts))
     return merged
-
-
-def initialize(model: Any, params: list[Any], ds_config: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """(engine, its optimizer, evidence of what the engine reports it does)."""
-    import deepspeed
-    import torch
-
-    cuda = torch.cuda.is_available()
-    distributed.init(cuda)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # adopts the group above
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=copy.deepcopy(ds_config))
-    offload_param = engine.zero_offload_param()
-    evidence = {
-        "zero_stage": engine.zero_optimization_stage(),
-        "offload_optimizer": "cpu" if engine.zero_cpu_offload() else "none",
-        "offload_param": str(offload_param.device.value) if offload_param is not None else "none",
-        "ds_world_size": torch.distributed.get_world_size(),
-        "ds_optimizer": f"{type(optimizer).__name__}({type(getattr(optimizer, 'optimizer', None)).__name__})",
-    }
-    return engine, optimizer, evidence
 
 
 def _merge(into: dict[str, Any], fragment: dict[str, Any]) -> None:

@@ -6,27 +6,54 @@ exist only while it computes (all-gather before, free after with `reshard_after_
 gradients are reduce-scattered. The optimizer is the stack's, built on the sharded parameters, and
 training is a plain loss.backward() / optimizer.step(). With one rank nothing is divided, but the
 precision policy and CPU offload still act, so fsdp on one GPU is a cell of its own.
+Checkpoints: full -> torch.distributed.checkpoint, each rank its shards of model and optimizer
+state; model -> the full state dict gathered to the CPU (as an export does), written by rank 0.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .. import distributed
-from ..techniques.base import TrainSetup
+from ..techniques.base import Evidence
+from .base import EngineJob
+from .plain import PlainEngine, make_optimizer
 
 
-def shard(model: Any, setup: TrainSetup, opts: dict[str, Any], cuda: bool) -> tuple[Any, dict[str, Any]]:
-    """Shards `model` in place; returns it with the evidence of what FSDP did."""
+class FsdpEngine(PlainEngine):
+    """Trains like plain PyTorch on the sharded model; saves through torch.distributed.checkpoint."""
+
+    def save(self, kind: str, directory: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        if kind == "full":
+            dcp.save({"model": get_model_state_dict(self.model),
+                      "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(directory))
+            return
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if torch.distributed.get_rank() == 0:
+            torch.save(full, directory / "model.pt")
+
+
+def wrap(job: EngineJob) -> tuple[FsdpEngine, Evidence]:
+    """Shards the model in place; the optimizer takes the sharded parameters that replaced the built ones."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    distributed.init(cuda)
+    model, opts = job.model, job.options_of("fsdp")
+    distributed.init(job.cell.device == "cuda")
     # mixed: fp32 sharded master weights, bf16 compute, fp32 gradient reduction. pure: all bf16.
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if opts["precision"] == "mixed" else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy() if setup.cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy() if job.setup.cpu_offload else OffloadPolicy()
     kinds = _layer_classes(model)
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     for module in [*layers, model]:
@@ -40,7 +67,8 @@ def shard(model: Any, setup: TrainSetup, opts: dict[str, Any], cuda: bool) -> tu
         "fsdp_param_device": str(params[0].device.type),
         "fsdp_master_dtype": str(params[0].dtype).removeprefix("torch."),
     }
-    return model, evidence
+    optimizer = make_optimizer([p for p in params if p.requires_grad], job.setup, job.uses)
+    return FsdpEngine(model, optimizer), evidence
 
 
 def _layer_classes(model: Any) -> set[str]:

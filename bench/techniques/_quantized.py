@@ -4,25 +4,28 @@ random checkpoint, then LoRA adapters (the quantized base cannot be trained, onl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import lora
 from .base import Evidence, Options, Phase, Technique
+
+if TYPE_CHECKING:
+    from ..cells import Cell
 
 LORA_OPTIONS = dict(lora.TECHNIQUE.options)
 
 
 def technique(name: str, summary: str, quantization: Callable[[Options], Any], layer_class: str,
               extra_options: dict[str, Any]) -> Technique:
-    def load(cell: dict[str, Any], attn_implementation: str, opts: Options) -> Any:
+    def load(cell: Cell, attn_implementation: str, opts: Options) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
         from ..checkpoints import random_checkpoint
 
-        device = 0 if cell["device"] == "cuda" else "cpu"
+        device = 0 if cell.device == "cuda" else "cpu"
         model = AutoModelForCausalLM.from_pretrained(
-            random_checkpoint(cell["model"], cell["seed"]), quantization_config=quantization(opts),
+            random_checkpoint(cell.model, cell.seed), quantization_config=quantization(opts),
             dtype=torch.bfloat16, device_map={"": device}, attn_implementation=attn_implementation)
         model.config.use_cache = False
         return model.train()

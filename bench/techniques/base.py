@@ -1,16 +1,20 @@
-"""What a technique is: a small declarative unit the worker applies in phase order.
+"""What a technique is: a small declarative unit the trainer applies in phase order.
 
-A technique never runs code at import time of this package; its hooks run in the worker process,
-after the model of one cell is built. Everything else (options, requirements, conflicts) is data
-that the planner checks before any cell runs.
+A technique never runs code when this package is imported; its hooks run in the process that
+trains one cell (bench/trainer.py). Everything else (options, requirements, conflicts) is data the
+planner checks before any cell runs. Each hook receives the typed `Cell` it acts on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..cells import Cell
 
 Options = Mapping[str, Any]
 Evidence = dict[str, Any]
@@ -30,15 +34,14 @@ class Phase(IntEnum):
 
 @dataclass(frozen=True)
 class TrainSetup:
-    """How the worker builds and trains one cell; techniques return modified copies of it."""
+    """How the trainer builds and trains one cell; techniques' `configure` return modified copies."""
 
     param_dtype: str = "bf16"  # dtype of the weights ("pure bf16" unless a technique changes it)
     autocast_dtype: str | None = None  # forward under torch.autocast in this dtype (mixed precision)
     attn_implementation: str = "sdpa"
-    optimizer: str = "adamw"
-    optimizer_impl: str = "fused"  # fused | foreach: pinned, since it moves the peak by GiBs
+    optimizer_impl: str = "fused"  # fused | foreach | forloop: pinned, since it moves the peak by GiBs
     lr: float = 1e-4
-    engine: str | None = None  # "deepspeed" | "fsdp": an engine shards the model (and may own the step)
+    engine: str = "plain"  # plain | deepspeed | fsdp: a module of bench/engines/ that owns backward, step, save
     cpu_offload: bool = False  # the engine keeps sharded state in host RAM (FSDP reads it; DeepSpeed gets a fragment)
     micro_batches: int = 1  # forward/backward passes per optimizer step (gradient accumulation)
     data: str = "full"  # full | pad | pack: batch layout (bench/data.py)
@@ -47,7 +50,7 @@ class TrainSetup:
 
 @dataclass(frozen=True)
 class Technique:
-    name: str
+    name: str  # also its file's name: bench/techniques/<name>.py
     summary: str  # one line: what it saves and what it costs
     phase: Phase
     options: Mapping[str, Any] = field(default_factory=dict)  # name -> default (its type is the option's type)
@@ -59,16 +62,19 @@ class Technique:
     needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these
     families: tuple[str, ...] = ()  # model families it supports (empty: any); others are skipped with a reason
     test_only: bool = False  # fault injection: refused unless BENCH_TEST_TECHNIQUES=1
-    # Hooks, in the order the worker calls them (all optional):
+    # Hooks, in the order the trainer calls them (all optional):
     env: Callable[[Options], dict[str, str]] | None = None  # env vars, set before torch is imported
     configure: Callable[[TrainSetup, Options], TrainSetup] | None = None  # how to build and train
-    before_build: Callable[[str, Options], None] | None = None  # (family, opts): process-global patches
+    before_build: Callable[[Cell, Options], None] | None = None  # process-global patches (model classes)
     # Replaces the build: (cell, attention implementation, opts) -> model in train mode (quantized bases)
-    load: Callable[[dict[str, Any], str, Options], Any] | None = None
+    load: Callable[[Cell, str, Options], Any] | None = None
     apply: Callable[[Any, Options], tuple[Any, Evidence]] | None = None  # (model, opts) -> (model, evidence)
     make_optimizer: Callable[[list[Any], TrainSetup, Options], Any] | None = None  # (trainable params, setup, opts)
     ds_config: Callable[[Options], dict[str, Any]] | None = None  # DeepSpeed config fragment, deep-merged
+    # During the step: a context around each micro-batch's forward and backward, entered anew each
+    # time; it may add to the evidence, which is recorded after the last step.
+    around_step: Callable[[Cell, Options, Evidence], AbstractContextManager[Any]] | None = None
     # A rule that needs the whole stack: (names in the stack, own options) -> why it cannot run, or None
     validate: Callable[[frozenset[str], Options], str | None] | None = None
-    # A rule on the cell's shape: (seq_len, batch_size, own options) -> why this cell cannot run, or None
-    check_cell: Callable[[int, int, Options], str | None] | None = None
+    # A rule on the cell's shape: (cell, own options) -> why this cell cannot run, or None
+    check_cell: Callable[[Cell, Options], str | None] | None = None

@@ -10,8 +10,12 @@ through their own `gradient_accumulation_steps`).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from .base import Options, Phase, Technique, TrainSetup
+
+if TYPE_CHECKING:
+    from ..cells import Cell
 
 
 def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
@@ -22,9 +26,9 @@ def _validate(names: frozenset[str], opts: Options) -> str | None:
     return None if opts["steps"] >= 2 else "steps must be at least 2"
 
 
-def _check_cell(seq_len: int, batch_size: int, opts: Options) -> str | None:
-    if batch_size % opts["steps"]:
-        return f"batch {batch_size} does not split into {opts['steps']} equal micro-batches"
+def _check_cell(cell: Cell, opts: Options) -> str | None:
+    if cell.batch_size % opts["steps"]:
+        return f"batch {cell.batch_size} does not split into {opts['steps']} equal micro-batches"
     return None
 
 

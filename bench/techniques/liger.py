@@ -10,18 +10,23 @@ process. Needs CUDA (Triton) and a supported family.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .. import models
 from .base import Evidence, Options, Phase, Technique
+
+if TYPE_CHECKING:
+    from ..cells import Cell
 
 FAMILIES = ("llama", "qwen2", "mistral")
 KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")
 
 
-def _before_build(family: str, opts: Options) -> None:
+def _before_build(cell: Cell, opts: Options) -> None:
     from liger_kernel.transformers import monkey_patch
 
     # Patches the family's module classes, so the model built next uses Liger's.
+    family = models.get(cell.model).family
     getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(**{k: opts[k] for k in KERNELS})
 
 

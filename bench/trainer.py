@@ -1,0 +1,163 @@
+"""The trainer: one cell's model, stack and engine, built the same way for every caller.
+
+The worker (on a GPU or CPU, inside its measurement), the pytest-benchmark view (benchmarks/) and
+the bare reference loop's model all come from here, so what is measured is what is built. The
+build follows the stack's phase order:
+
+1. setup: each technique's `configure` turns the baseline TrainSetup (pure bf16, fused AdamW, sdpa)
+   into the stack's;
+2. before_build: process-global patches (Liger's kernels replace the family's module classes);
+3. the base model: from its shipped config with random weights, directly on the device (or a
+   technique's `load`: quantized bases come from a cached random checkpoint);
+4. apply: each technique changes the model (gc, LoRA, ...) and returns evidence that it did;
+5. the engine (bench/engines/): plain PyTorch, DeepSpeed or FSDP2 wraps the model and owns
+   backward, the optimizer step and checkpoint saves.
+
+`build_model` (1-4) and `wrap` (5) are separate so the worker can read the weights' footprint in
+between; `build` does both. `Trainer.step` is one optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import data, distributed, measure, models
+from .cells import Cell
+from .engines import Engine, EngineJob
+from .engines import wrap as wrap_engine
+from .measure import PhaseTracker
+from .techniques import Technique, TrainSetup
+from .techniques.base import Evidence, Options
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+Uses = tuple[tuple[Technique, Options], ...]
+BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with
+
+
+@dataclass(frozen=True)
+class Built:
+    """The model as built and adapted, before an engine wraps it (ZeRO-3 then empties the parameters)."""
+
+    model: Any
+    setup: TrainSetup
+    uses: Uses
+    evidence: Evidence  # what each technique reported when applied
+    total_params: int
+    trainable_params: int
+    weights_gib: float  # bytes of all parameters
+    grads_gib: float  # bytes the gradients of the trainable parameters will take
+    flops_per_token: float | None  # None for a quantized base (no plain-bf16 FLOP count, no MFU)
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Trainer:
+    cell: Cell
+    setup: TrainSetup
+    uses: Uses
+    engine: Engine
+    evidence: Evidence  # the techniques' and the engine's; `around_step` hooks add to it during steps
+    vocab_size: int
+
+    def batches(self) -> list[data.Batch]:
+        """This rank's batches for every step of the cell (warm-up first), seeded by the cell."""
+        c, s = self.cell, self.setup
+        return data.batches(s.data, self.vocab_size, c.batch_size, c.seq_len, c.warmup_steps + c.measure_steps,
+                            c.seed, c.device, s.min_doc_frac, distributed.rank(), distributed.world_size())
+
+    def step(self, batch: data.Batch, tracker: PhaseTracker | None = None, stage: str = "") -> Any:
+        """One optimizer step on one batch, in `micro_batches` forward/backward passes whose gradients
+        accumulate; returns the batch's mean loss, detached. `tracker` (if given) enters the phases
+        `stage/forward`, `stage/backward`, `stage/optimizer` as they begin."""
+        micro_batches = self.setup.micro_batches
+        total = 0.0
+        for chunk in batch.chunk(micro_batches):
+            with self._around_step():
+                _enter(tracker, f"{stage}/forward")
+                with self._autocast():
+                    loss = self.engine.model(**chunk.model_inputs()).loss / micro_batches
+                _enter(tracker, f"{stage}/backward")
+                self.engine.backward(loss)
+            total += loss.detach()
+        _enter(tracker, f"{stage}/optimizer")
+        self.engine.step()
+        return total
+
+    @contextlib.contextmanager
+    def _around_step(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for technique, opts in self.uses:
+                if technique.around_step is not None:
+                    stack.enter_context(technique.around_step(self.cell, opts, self.evidence))
+            yield
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision's forward under torch.autocast; backward runs outside it, as torch advises."""
+        import torch
+
+        if self.setup.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.cell.device, dtype=getattr(torch, DTYPES[self.setup.autocast_dtype]))
+
+
+def build(cell: Cell) -> Trainer:
+    """The cell's model with its stack applied, wrapped by its engine: ready to step."""
+    return wrap(cell, build_model(cell))
+
+
+def build_model(cell: Cell) -> Built:
+    """Steps 1-4: the setup, patches, the base model (built or loaded), each technique's apply."""
+    uses = tuple((u.technique, u.opts) for u in cell.stack.uses)
+    setup = BASELINE_SETUP
+    for technique, opts in uses:
+        if technique.configure is not None:
+            setup = technique.configure(setup, opts)
+    for technique, opts in uses:
+        if technique.before_build is not None:
+            technique.before_build(cell, opts)
+    loaders = [(t, opts) for t, opts in uses if t.load is not None]  # at most one: slot "base"
+    if loaders:
+        loader, opts = loaders[0]
+        model = loader.load(cell, setup.attn_implementation, opts)  # type: ignore[misc]
+        flops = None
+    else:
+        model = base_model(cell.model, cell.device, cell.seed, setup)
+        flops = measure.flops_per_token(model, cell.seq_len)
+    evidence: Evidence = {}
+    for technique, opts in uses:
+        if technique.apply is not None:
+            model, found = technique.apply(model, opts)
+            evidence.update(found)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return Built(model, setup, uses, evidence, total_params=sum(p.numel() for p in model.parameters()),
+                 trainable_params=sum(p.numel() for p in trainable), weights_gib=measure.tensor_gib(model.parameters()),
+                 grads_gib=measure.tensor_gib(trainable), flops_per_token=flops, vocab_size=model.config.vocab_size)
+
+
+def wrap(cell: Cell, built: Built) -> Trainer:
+    """Step 5: the engine the stack selected (plain PyTorch if none) around the built model."""
+    trainable = tuple(p for p in built.model.parameters() if p.requires_grad)
+    engine, found = wrap_engine(EngineJob(cell, built.setup, built.uses, built.model, trainable))
+    return Trainer(cell, built.setup, built.uses, engine, {**built.evidence, **found}, built.vocab_size)
+
+
+def base_model(model_name: str, device: str, seed: int, setup: TrainSetup = BASELINE_SETUP) -> Any:
+    """A registry model from its shipped config, random weights (seeded) initialised directly on
+    `device` (no host copy), in the setup's weight dtype and attention, in train mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = models.hf_config(models.get(model_name), setup.attn_implementation)
+    config.use_cache = False  # a training forward must not build a KV cache
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPES[setup.param_dtype]))
+    return model.train()  # dropout and checkpointing act only in train mode
+
+
+def _enter(tracker: PhaseTracker | None, phase: str) -> None:
+    if tracker is not None:
+        tracker.enter(phase)
