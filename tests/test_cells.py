@@ -96,3 +96,19 @@ def test_list_prints_every_cell_with_its_skip_reason(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "llama-3.2-3b_s4096_b8_gc+lora_" in out
     assert out.count("\n  ") == 3 * 4 * len(spec.get(REPO_MATRIX, "llama3b").stacks)
+
+
+def test_a_cell_survives_the_handoff_to_its_worker() -> None:
+    """The runner sends Cell.to_json() as JSON; the worker reads back the same typed Cell, every
+    option as resolved (the id check in from_json fails on any lost setting)."""
+    import json
+
+    for matrix in ("llama3b", "smoke-ranks", "save3b"):
+        for cell in cells.expand(spec.get(REPO_MATRIX, matrix), GPU_HOST):
+            assert cells.Cell.from_json(json.loads(json.dumps(cell.to_json()))) == cell
+    budgeted = cells.make_cell(spec.get(REPO_MATRIX, "fit3b"), "cuda", "llama-3.2-3b", 4096, 3,
+                               cells.expand(spec.get(REPO_MATRIX, "fit3b"), GPU_HOST)[0].stack, budget_gib=24.0)
+    assert cells.Cell.from_json(json.loads(json.dumps(budgeted.to_json()))) == budgeted
+    tampered = budgeted.to_json() | {"seq_len": 2048}
+    with pytest.raises(ValueError, match="lost a setting"):
+        cells.Cell.from_json(tampered)
