@@ -4,6 +4,7 @@
     python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
     python -m bench compare BASE CAND  per-cell deltas of two runs (parquet or run id); exit 1 on a regression
+    python -m bench predict MATRIX    each cell's peak allocated GPU memory, predicted on a CPU (fake tensors)
     python -m bench fit MATRIX --budgets 24,40,80   largest batch / sequence that trains per budget
     python -m bench overhead MATRIX --run-id ID   baseline cells beside a bare PyTorch loop (GPU)
     python -m bench env               what this machine has (GPU, libraries) as the suite sees it
@@ -18,9 +19,12 @@ import datetime as dt
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from . import cells, compare, envinfo, fit, fitreport, overhead, report, results, runner, spec
+from .predict import gpus
+from .predict import runner as predict_runner
 from .progress import LineProgress, RichProgress
 from .stacks import StackError
 
@@ -74,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tps-z", type=float, default=gate.tps_z, help="tokens/s band in standard errors")
     cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
     cmp.set_defaults(func=cmd_compare)
+
+    pred = sub.add_parser("predict", help="predict each cell's peak allocated GPU memory on a CPU (fake tensors)")
+    pred.add_argument("matrix")
+    pred.add_argument("--only", help="only cells whose id matches one of these globs (comma list)")
+    pred.add_argument("--gpu", default="h100", help=f"GPU kind predicted for: {', '.join(gpus.GPUS)} (default h100)")
+    pred.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
+    pred.add_argument("--run-id", help="resume or name a prediction run (default: MATRIX-predicted-GPU-YYYYMMDD)")
+    pred.add_argument("--jobs", type=int, default=1, help="processes predicting in parallel (default 1)")
+    pred.add_argument("--redo", action="store_true", help="predict again the cells the run already has")
+    pred.set_defaults(func=cmd_predict)
 
     fit_p = sub.add_parser("fit", help="per budget: the largest batch (and at batch 1 the longest sequence) that trains")
     fit_p.add_argument("matrix")
@@ -178,6 +192,34 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     return 1 if any(d.verdict == "regression" for d in diffs) else 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    matrix = spec.get(args.matrix_file, args.matrix)
+    try:
+        gpu = gpus.get(args.gpu)
+    except KeyError as err:
+        raise spec.SpecError(str(err.args[0])) from None
+    if args.jobs < 1 or (args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0):
+        raise spec.SpecError("--jobs must be at least 1 and --gpu-memory-gib positive")
+    planned = predict_runner.plan(matrix, args.only)
+    run_id = args.run_id or f"{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
+    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, args.gpu_memory_gib, args.jobs, args.redo)
+    print(f"predict {run_id}: {len(planned)} cells of {matrix.name!r} for {gpu.name}, on this CPU (fake tensors)")
+    rows = predict_runner.run(planned, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
+    table = predict_runner.write_table(rows, opts, matrix.name)
+    counts = Counter(r["status"] for r in rows)
+    print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}\npredictions: {table}")
+    return 1 if counts.get("error") else 0
+
+
+def _print_prediction(cell: cells.Cell, row: dict) -> None:
+    if row["status"] == "ok":
+        detail = (f"peak allocated {row['peak_allocated_gib']:.2f} GiB in {row['peak_phase']} ({row['peak_op']}), "
+                  f"{row['predict_s']:.1f} s")
+    else:
+        detail = str(row.get("unsupported_reason") or row.get("skip_reason") or row.get("error") or "").strip().splitlines()[-1]
+    print(f"{row['status']:11} {cell.cell_id}  {detail}", flush=True)
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,66 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
 )
 COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
+# Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
+# keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
+PREDICTED_SCHEMA_VERSION = 1
+PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
+_PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
+    "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
+    "liger_kernel_version", "bitsandbytes_version", "accelerate_version", "git_sha", "git_dirty"))
+PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
+    ("schema_version", "int", "version of this (predicted) schema"),
+    ("run_id", "str", "the prediction run this row belongs to"),
+    *(c for c in SCHEMA if c[0] in ("cell_id", "matrix", "model", "seq_len", "batch_size", "gpus", "stack",
+                                    "stack_json", "warmup_steps", "measure_steps", "seed")),
+    ("device", "str", "the cell's device: what is predicted (the fake run itself runs on a CPU)"),
+    ("status", "str", " | ".join(PREDICTED_STATUSES)),
+    ("unsupported_reason", "str", "for unsupported: what the fake run does not cover yet (a technique, several ranks)"),
+    ("skip_reason", "str", "for skipped: the plan's reason (excluded, a rule on the cell's shape)"),
+    ("error", "str", "for error: the tail of the exception"),
+    ("prediction_method", "str", "how the figures were obtained (fake-run/N: the training step on fake tensors)"),
+    ("gpu_kind", "str", "the GPU predicted for (bench/predict/gpus.py): sets the cuBLAS workspace size"),
+    ("gpu_memory_gib", "float", "memory of that GPU, GiB: measured capacity or --gpu-memory-gib; empty if unknown"),
+    ("peak_allocated_gib", "float", "PREDICTED overall peak of allocated bytes (first step included), GiB"),
+    ("steady_peak_allocated_gib", "float", "PREDICTED peak allocated of a step after the first, GiB"),
+    ("peak_phase", "str", "stage/phase of the predicted peak (first_step/..., measure/... = any later step)"),
+    ("peak_op", "str", "the op whose result made the predicted peak"),
+    ("at_peak_weights_gib", "float", "at the predicted peak: parameters and buffers, GiB"),
+    ("at_peak_gradients_gib", "float", "at the predicted peak: parameters' .grad tensors, GiB"),
+    ("at_peak_optimizer_state_gib", "float", "at the predicted peak: the optimizer's state tensors, GiB"),
+    ("at_peak_activations_gib", "float", "at the predicted peak: tensors made in forward and kept for backward, GiB"),
+    ("at_peak_temporaries_gib", "float", "at the predicted peak: everything else (backward's intermediates, scratch), GiB"),
+    ("at_peak_inputs_gib", "float", "at the predicted peak: the batches (all steps', as on the GPU), GiB"),
+    ("at_peak_workspace_gib", "float", "at the predicted peak: cuBLAS workspaces (per GPU kind), GiB"),
+    ("headroom_gib", "float", "gpu_memory_gib - peak_allocated_gib: reserved-memory overhead and the CUDA "
+                              "context are not included yet (negative: does not fit), GiB"),
+    *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",
+                                    "trainable_params", "flops_per_token")),
+    ("allocations", "int", "allocations in the fake run's trace"),
+    ("predict_s", "float", "time this cell's prediction took (build + fake steps), s"),
+    *_PROVENANCE,
+    ("started_at", "str", "UTC time the prediction started (ISO 8601)"),
+    ("rerun_cmd", "str", "command that re-predicts exactly this cell"),
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A kind of result table: its columns (in order), statuses and version."""
+
+    name: str  # measured | predicted
+    version: int
+    schema: tuple[tuple[str, str, str], ...]
+    statuses: tuple[str, ...]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.schema)
+
+
+MEASURED = Table("measured", SCHEMA_VERSION, SCHEMA, STATUSES)
+PREDICTED = Table("predicted", PREDICTED_SCHEMA_VERSION, PREDICTED_SCHEMA, PREDICTED_STATUSES)
+
 
 def row_key(cell_id: str, repeat: int | None) -> str:
     """A row's name (and its raw file's): the cell id, with `.rK` for repeats after the first."""
@@ -115,19 +176,19 @@ def rank_path(out: Path, rank: int) -> Path:
     return out.with_name(f"{out.name}.rank{rank}")
 
 
-def check_row(row: dict[str, Any]) -> dict[str, Any]:
+def check_row(row: dict[str, Any], table: Table = MEASURED) -> dict[str, Any]:
     """Unknown columns are a bug in the suite; missing ones are filled with None, in schema order."""
-    unknown = set(row) - set(COLUMNS)
+    unknown = set(row) - set(table.columns)
     if unknown:
-        raise KeyError(f"result row has columns outside the schema: {sorted(unknown)}")
-    if row.get("status") not in STATUSES:
-        raise ValueError(f"result row has an invalid status {row.get('status')!r}")
-    return {c: row.get(c) for c in COLUMNS}
+        raise KeyError(f"{table.name} row has columns outside the schema: {sorted(unknown)}")
+    if row.get("status") not in table.statuses:
+        raise ValueError(f"{table.name} row has an invalid status {row.get('status')!r}")
+    return {c: row.get(c) for c in table.columns}
 
 
-def write_atomic(path: Path, row: dict[str, Any]) -> None:
+def write_atomic(path: Path, row: dict[str, Any], table: Table = MEASURED) -> None:
     """A whole row, checked against the schema, written atomically (`write_json_atomic`)."""
-    write_json_atomic(path, check_row(row))
+    write_json_atomic(path, check_row(row, table))
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -168,29 +229,31 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def to_frame(rows: list[dict[str, Any]]):
+def to_frame(rows: list[dict[str, Any]], table: Table = MEASURED):
     import pandas as pd
 
-    frame = pd.DataFrame([check_row(derive(r)) for r in rows], columns=list(COLUMNS))
+    checked = [check_row(derive(r) if table is MEASURED else r, table) for r in rows]
+    frame = pd.DataFrame(checked, columns=list(table.columns))
     dtypes = {"str": "string", "int": "Int64", "float": "Float64", "bool": "boolean"}
-    return frame.astype({name: dtypes[kind] for name, kind, _ in SCHEMA})
+    return frame.astype({name: dtypes[kind] for name, kind, _ in table.schema})
 
 
-def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+def write_parquet(rows: list[dict[str, Any]], path: Path, table: Table = MEASURED) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pandas(to_frame(rows), preserve_index=False)
-    meta = {b"bench.schema_version": str(SCHEMA_VERSION).encode(),
-            b"bench.schema": json.dumps(SCHEMA).encode()}
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+    arrow = pa.Table.from_pandas(to_frame(rows, table), preserve_index=False)
+    meta = {b"bench.schema_version": str(table.version).encode(), b"bench.schema": json.dumps(table.schema).encode()}
+    if table is not MEASURED:  # measured tables keep the metadata they were published with
+        meta[b"bench.table"] = table.name.encode()
+    arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), **meta})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
+    pq.write_table(arrow, tmp)
     os.replace(tmp, path)
 
 
-def read_parquet(path: Path):
+def read_parquet(path: Path, table: Table = MEASURED):
     """A run's table in the current schema: tables published under an older schema version stay
     readable by the current reports (columns added since are derived where they can be, else empty)."""
     import pandas as pd
@@ -198,7 +261,7 @@ def read_parquet(path: Path):
     frame = pd.read_parquet(path)
     rows = [{k: None if v is pd.NA or v is None or v != v else v for k, v in r.items()}  # v != v: NaN
             for r in frame.to_dict("records")]
-    return to_frame(rows)
+    return to_frame(rows, table)
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))

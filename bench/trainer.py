@@ -22,13 +22,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import data, distributed, measure, models
 from .cells import Cell
 from .engines import Engine, EngineJob
 from .engines import wrap as wrap_engine
-from .measure import PhaseTracker
 from .techniques import Technique, TrainSetup
 from .techniques.base import Evidence, Options
 
@@ -37,11 +36,18 @@ Uses = tuple[tuple[Technique, Options], ...]
 BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with
 
 
+class Phases(Protocol):
+    """Told where a step is (`stage/phase`) as each phase begins: the worker's PhaseTracker, the predictor's counter."""
+
+    def enter(self, where: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class Built:
     """The model as built and adapted, before an engine wraps it (ZeRO-3 then empties the parameters)."""
 
     model: Any
+    device: str  # where it was built: the cell's device, or "meta" for a prediction
     setup: TrainSetup
     uses: Uses
     evidence: Evidence  # what each technique reported when applied
@@ -56,6 +62,7 @@ class Built:
 @dataclass(frozen=True)
 class Trainer:
     cell: Cell
+    device: str  # where its tensors live and what autocast is for (the cell's, or the predictor's fake "cpu")
     setup: TrainSetup
     uses: Uses
     engine: Engine
@@ -64,11 +71,9 @@ class Trainer:
 
     def batches(self) -> list[data.Batch]:
         """This rank's batches for every step of the cell (warm-up first), seeded by the cell."""
-        c, s = self.cell, self.setup
-        return data.batches(s.data, self.vocab_size, c.batch_size, c.seq_len, c.warmup_steps + c.measure_steps,
-                            c.seed, c.device, s.min_doc_frac, distributed.rank(), distributed.world_size())
+        return cell_batches(self.cell, self.setup, self.vocab_size, self.device)
 
-    def step(self, batch: data.Batch, tracker: PhaseTracker | None = None, stage: str = "") -> Any:
+    def step(self, batch: data.Batch, tracker: Phases | None = None, stage: str = "") -> Any:
         """One optimizer step on one batch, in `micro_batches` forward/backward passes whose gradients
         accumulate; returns the batch's mean loss, detached. `tracker` (if given) enters the phases
         `stage/forward`, `stage/backward`, `stage/optimizer` as they begin."""
@@ -100,7 +105,7 @@ class Trainer:
 
         if self.setup.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.cell.device, dtype=getattr(torch, DTYPES[self.setup.autocast_dtype]))
+        return torch.autocast(self.device, dtype=getattr(torch, DTYPES[self.setup.autocast_dtype]))
 
 
 def build(cell: Cell) -> Trainer:
@@ -108,13 +113,12 @@ def build(cell: Cell) -> Trainer:
     return wrap(cell, build_model(cell))
 
 
-def build_model(cell: Cell) -> Built:
-    """Steps 1-4: the setup, patches, the base model (built or loaded), each technique's apply."""
+def build_model(cell: Cell, device: str | None = None) -> Built:
+    """Steps 1-4: the setup, patches, the base model (built or loaded), each technique's apply.
+    On the cell's device unless `device` says otherwise (the predictor builds on "meta")."""
+    device = device or cell.device
     uses = tuple((u.technique, u.opts) for u in cell.stack.uses)
-    setup = BASELINE_SETUP
-    for technique, opts in uses:
-        if technique.configure is not None:
-            setup = technique.configure(setup, opts)
+    setup = stack_setup(uses)
     for technique, opts in uses:
         if technique.before_build is not None:
             technique.before_build(cell, opts)
@@ -124,7 +128,7 @@ def build_model(cell: Cell) -> Built:
         model = loader.load(cell, setup.attn_implementation, opts)  # type: ignore[misc]
         flops = None
     else:
-        model = base_model(cell.model, cell.device, cell.seed, setup)
+        model = base_model(cell.model, device, cell.seed, setup)
         flops = measure.flops_per_token(model, cell.seq_len)
     evidence: Evidence = {}
     for technique, opts in uses:
@@ -132,7 +136,7 @@ def build_model(cell: Cell) -> Built:
             model, found = technique.apply(model, opts)
             evidence.update(found)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return Built(model, setup, uses, evidence, total_params=sum(p.numel() for p in model.parameters()),
+    return Built(model, device, setup, uses, evidence, total_params=sum(p.numel() for p in model.parameters()),
                  trainable_params=sum(p.numel() for p in trainable), weights_gib=measure.tensor_gib(model.parameters()),
                  grads_gib=measure.tensor_gib(trainable), flops_per_token=flops, vocab_size=model.config.vocab_size)
 
@@ -141,7 +145,22 @@ def wrap(cell: Cell, built: Built) -> Trainer:
     """Step 5: the engine the stack selected (plain PyTorch if none) around the built model."""
     trainable = tuple(p for p in built.model.parameters() if p.requires_grad)
     engine, found = wrap_engine(EngineJob(cell, built.setup, built.uses, built.model, trainable))
-    return Trainer(cell, built.setup, built.uses, engine, {**built.evidence, **found}, built.vocab_size)
+    return Trainer(cell, built.device, built.setup, built.uses, engine, {**built.evidence, **found}, built.vocab_size)
+
+
+def stack_setup(uses: Uses) -> TrainSetup:
+    """Step 1: the baseline's TrainSetup as each technique's `configure` changes it, in phase order."""
+    setup = BASELINE_SETUP
+    for technique, opts in uses:
+        if technique.configure is not None:
+            setup = technique.configure(setup, opts)
+    return setup
+
+
+def cell_batches(cell: Cell, setup: TrainSetup, vocab_size: int, device: str) -> list[data.Batch]:
+    """This rank's batches for every step of the cell (warm-up first), seeded by the cell."""
+    return data.batches(setup.data, vocab_size, cell.batch_size, cell.seq_len, cell.warmup_steps + cell.measure_steps,
+                        cell.seed, device, setup.min_doc_frac, distributed.rank(), distributed.world_size())
 
 
 def base_model(model_name: str, device: str, seed: int, setup: TrainSetup = BASELINE_SETUP) -> Any:
@@ -158,6 +177,6 @@ def base_model(model_name: str, device: str, seed: int, setup: TrainSetup = BASE
     return model.train()  # dropout and checkpointing act only in train mode
 
 
-def _enter(tracker: PhaseTracker | None, phase: str) -> None:
+def _enter(tracker: Phases | None, phase: str) -> None:
     if tracker is not None:
         tracker.enter(phase)

@@ -52,6 +52,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         options={**LORA_OPTIONS, **extra_options, "prepare_kbit": False},
         choices=dict(lora.TECHNIQUE.choices),
         packages=("bitsandbytes", "peft"),
+        not_predicted="a bitsandbytes-quantized base is loaded from a real checkpoint: not simulated yet",
         # qlora brings its own adapters; its base dtype is fixed; ZeRO-3 would partition packed
         # 4-bit storage, which needs bnb_4bit_quant_storage plumbing this suite does not do.
         conflicts=("lora", "mixed", "zero3"),

@@ -29,6 +29,7 @@ def technique(stage: int, summary: str) -> Technique:
         options={"adam": "torch"},
         choices={"adam": ("torch", "deepspeed")},
         packages=("deepspeed",),
+        not_predicted="the DeepSpeed engine (partitioned fp32 master weights, its own buffers) is not simulated yet",
         conflicts=OWNED_BY_ENGINE,
         env=lambda opts: dict(SINGLE_RANK_ENV),  # torchrun's own values win on several ranks
         configure=configure,

@@ -62,6 +62,9 @@ class Technique:
     needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these
     families: tuple[str, ...] = ()  # model families it supports (empty: any); others are skipped with a reason
     test_only: bool = False  # fault injection: refused unless BENCH_TEST_TECHNIQUES=1
+    # How `bench predict` treats it: None = the fake run of the training step covers it; else why
+    # not yet (its cells are then predicted as "unsupported: <reason>", never guessed).
+    not_predicted: str | None = None
     # Hooks, in the order the trainer calls them (all optional):
     env: Callable[[Options], dict[str, str]] | None = None  # env vars, set before torch is imported
     configure: Callable[[TrainSetup, Options], TrainSetup] | None = None  # how to build and train

@@ -53,5 +53,6 @@ TECHNIQUE = Technique(
     options={"mode": "raise", "over_tokens": 0, "only_rank": -1},
     choices={"mode": ("raise", "oom", "hang", "exit137", "sigkill")},
     test_only=True,
+    not_predicted="fault injection for the runner's tests",
     apply=_apply,
 )

@@ -46,6 +46,7 @@ TECHNIQUE = Technique(
     phase=Phase.PATCH,
     options={k: True for k in KERNELS},
     requires_cuda=True,
+    not_predicted="Triton kernels: no fake-tensor implementation runs on a CPU build",
     packages=("liger_kernel",),
     families=FAMILIES,
     before_build=_before_build,

@@ -45,6 +45,7 @@ TECHNIQUE = Technique(
     phase=Phase.ENGINE,
     options={"optimizer": True, "params": False},
     requires_cuda=True,
+    not_predicted="host offload runs inside an engine that is not simulated yet",
     needs_one_of=("zero2", "zero3", "fsdp"),
     configure=_configure,
     ds_config=_fragment,

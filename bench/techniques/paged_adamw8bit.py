@@ -25,5 +25,6 @@ TECHNIQUE = Technique(
     slot="optimizer",
     requires_cuda=True,
     packages=("bitsandbytes",),
+    not_predicted="bitsandbytes' 8-bit step reads tensor values; paged state lives outside the allocator",
     make_optimizer=_make,
 )

@@ -1,0 +1,180 @@
+"""One cell's training step on fake tensors: its predicted peak allocated memory on a GPU.
+
+The build is the worker's (bench/trainer.py), so what is predicted is what would be measured:
+
+1. the model is built on the meta device with its stack applied (no memory; seconds for billions
+   of parameters), then, inside FakeTensorMode, every parameter and buffer becomes a fake CPU
+   tensor of the same shape, stride and dtype (tied weights stay tied), counted as weights;
+2. the engine and optimizer are made on those, exactly as the trainer makes them;
+3. the cell's batches are drawn for real on the CPU (they are small, and padded or packed layouts
+   need real lengths), then copied into fake tensors, all of them alive as on the GPU;
+4. two steps run under the MemoryCounter: the first (the optimizer's state appears lazily in it)
+   and one steady step, standing for every warm-up and measured step: with fake tensors every
+   step after the first allocates exactly the same.
+
+Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flash attention for
+CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
+non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
+the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py).
+
+One thing transformers does differently on fake tensors: it treats them as tracing, so it cannot
+read position ids to see that a batch is not packed, and would build an explicit (B, 1, S, S) mask
+a real run never builds. The data layout is known, so the answer is given (`_packing_known`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from .. import data, measure, trainer
+from ..cells import Cell
+from .counter import MemoryCounter, Workspaces
+from .gpus import GpuKind
+
+STAGES = ("first_step", "measure")  # the steps run: the first, and one standing for all the others
+AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
+    "weight": "at_peak_weights_gib",
+    "gradient": "at_peak_gradients_gib",
+    "optimizer_state": "at_peak_optimizer_state_gib",
+    "activation": "at_peak_activations_gib",
+    "temporary": "at_peak_temporaries_gib",
+    "input": "at_peak_inputs_gib",
+    "workspace": "at_peak_workspace_gib",
+}
+
+
+def unsupported_reason(cell: Cell) -> str | None:
+    """Why the fake run cannot predict this cell yet, or None."""
+    if cell.gpus > 1:
+        return f"{cell.gpus} ranks: predicting several GPUs needs a fake process group (not simulated yet)"
+    for use in cell.stack.uses:
+        if use.technique.not_predicted:
+            return f"{use.name}: {use.technique.not_predicted}"
+    return None
+
+
+def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
+    """The prediction's columns, with a status (ok | unsupported | error); never raises."""
+    reason = unsupported_reason(cell)
+    if reason:
+        return {"status": "unsupported", "unsupported_reason": reason}
+    start = time.perf_counter()
+    try:
+        with _cell_env(cell):
+            found = fake_run(cell, gpu)
+    except Exception as err:  # a prediction that fails says why, and the next cell goes on
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return {"status": "error", "error": "\n".join(text.strip().splitlines()[-12:])}
+    return {"status": "ok", **found, "predict_s": time.perf_counter() - start}
+
+
+def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    built = trainer.build_model(cell, device="meta")
+    # each field its own storage, as after `.to("cuda")` (on the CPU, input_ids and labels share one)
+    real_batches = [data.Batch(*(t.clone() if t is not None else None for t in
+                                 (b.input_ids, b.labels, b.attention_mask, b.position_ids)))
+                    for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
+    counter = MemoryCounter(Workspaces(gpu.cublas_workspace_bytes))
+    with _packing_known(built.setup.data == "pack"), FakeTensorMode() as mode, counter:
+        model = _fake_parameters(built.model, counter)
+        job = trainer.wrap(cell, replace(built, model=model, device="cpu"))
+        batches = [_fake_batch(b, mode, counter) for b in real_batches]
+        counter.on_optimizer = job.engine.model.parameters
+        counter.after_step = job.engine.optimizer_state
+        for stage, batch in zip(STAGES, batches, strict=False):
+            job.step(batch, counter, stage)
+        counter.finish()
+        optimizer_state_gib = measure.tensor_gib(job.engine.optimizer_state())
+    at_peak = counter.breakdown(counter.peak)
+    return {
+        "peak_allocated_gib": counter.peak.nbytes / measure.GIB,
+        "steady_peak_allocated_gib": counter.steady_peak.nbytes / measure.GIB,
+        "peak_phase": counter.peak.where,
+        "peak_op": counter.peak.op,
+        **{AT_PEAK_COLUMNS[role]: nbytes / measure.GIB for role, nbytes in at_peak.items()},
+        "weights_gib": built.weights_gib,
+        "grads_gib": built.grads_gib,
+        "optimizer_state_gib": optimizer_state_gib,
+        "total_params": built.total_params,
+        "trainable_params": built.trainable_params,
+        "flops_per_token": built.flops_per_token,
+        "allocations": len(counter.records),
+    }
+
+
+def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
+    """Every parameter and buffer of the meta model replaced by a fake CPU tensor like it; one
+    fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor."""
+    import torch
+
+    made: dict[int, Any] = {}
+    originals = []  # kept alive while replacing, so no id is reused
+    for module in model.modules():
+        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(slots.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    originals.append(tensor)
+                    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                    if is_param:
+                        fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                    counter.track(fake, "parameter" if is_param else "buffer", role="weight")
+                    made[id(tensor)] = fake
+                slots[name] = made[id(tensor)]
+    return model
+
+
+def _fake_batch(batch: data.Batch, mode: Any, counter: MemoryCounter) -> data.Batch:
+    """A fake copy of a real batch, counted as input."""
+    def fake(tensor: Any) -> Any:
+        if tensor is None:
+            return None
+        copy = mode.from_tensor(tensor)
+        counter.track(copy, "batch", role="input")
+        return copy
+
+    return data.Batch(fake(batch.input_ids), fake(batch.labels), fake(batch.attention_mask), fake(batch.position_ids))
+
+
+@contextlib.contextmanager
+def _cell_env(cell: Cell) -> Iterator[None]:
+    """The environment variables the cell's techniques set for a worker (e.g. the allocator's
+    settings), set while it is predicted: their hooks check them. On a CPU they change nothing."""
+    wanted: dict[str, str] = {}
+    for use in cell.stack.uses:
+        if use.technique.env is not None:
+            wanted.update(use.technique.env(use.opts))
+    before = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _packing_known(packed: bool) -> Iterator[None]:
+    """transformers asks find_packed_sequence_indices whether a batch is packed; on fake tensors it
+    cannot tell and assumes packed. The trainer knows: not packed -> None, as a real run finds."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    if not packed:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

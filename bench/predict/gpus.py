@@ -1,0 +1,43 @@
+"""The GPUs a prediction is for: what a fake run cannot see but a card adds to allocated memory.
+
+Only what the caching allocator counts belongs here (the prediction is of peak *allocated*):
+cuBLAS workspaces, whose size PyTorch chooses by compute capability. Memory the allocator does
+not count (the CUDA context, NCCL) is not part of peak allocated and is not added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    key: str  # what --gpu takes
+    name: str  # as NVML names it (what measured rows record in gpu_name)
+    compute_capability: tuple[int, int]
+    memory_gib: float | None = None  # total memory as NVML reported it on a measured run, GiB; None: not measured yet
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        """PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB from
+        compute capability 9.0 (Hopper) on, else 4096 KiB x 2 + 16 KiB x 8."""
+        return 32 * MIB if self.compute_capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+# Card memory only where a measured row recorded it (else pass --gpu-memory-gib).
+GPUS = {g.key: g for g in (
+    GpuKind("h100", "NVIDIA H100 80GB HBM3", (9, 0), 79.647),  # gpu_memory_gib of the published H100 runs
+    GpuKind("h200", "NVIDIA H200", (9, 0)),
+    GpuKind("a100", "NVIDIA A100", (8, 0)),
+    GpuKind("l40s", "NVIDIA L40S", (8, 9)),
+    GpuKind("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9)),
+)}
+
+
+def get(key: str) -> GpuKind:
+    try:
+        return GPUS[key]
+    except KeyError:
+        raise KeyError(f"unknown GPU kind {key!r}; known: {', '.join(GPUS)}") from None

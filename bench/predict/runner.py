@@ -1,0 +1,120 @@
+"""Predicting a matrix's cells: many cells per process, each row written as soon as it is known.
+
+    results/raw/<run_id>/<cell_id>.json          one predicted row per cell, atomic (a re-run resumes)
+    results/<matrix>/predicted/<run_id>.parquet  the run's table (results.PREDICTED), same cell ids as measured
+
+Cells are planned as the GPU run would plan them (device cuda, every optional package present), so
+their ids are the measured cells' ids. A cell the plan skips (excluded, a rule on its shape) is a
+`skipped` row; one with a technique the fake run does not cover is `unsupported`, with the reason.
+With jobs > 1, cells are spread over that many processes (each imports torch once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import fnmatch
+import json
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from .. import cells, results
+from ..cells import Cell, PlannedCell
+from ..envinfo import OPTIONAL_PACKAGES, HostCaps
+from ..spec import MatrixSpec, SpecError
+from . import gpus
+
+METHOD = "fake-run/1"  # bump when what a prediction counts changes
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    results_dir: Path
+    run_id: str
+    gpu: gpus.GpuKind
+    gpu_memory_gib: float | None  # the card's memory (None: the GPU kind's measured capacity, if known)
+    jobs: int = 1
+    redo: bool = False  # predict again cells the run already has
+
+
+def plan(matrix: MatrixSpec, only: str | None) -> list[PlannedCell]:
+    """The matrix's cells as a GPU host would plan them (same ids), filtered by `only` globs."""
+    on_gpu = dataclasses.replace(matrix, device="cuda")
+    host = HostCaps(cuda_devices=max(matrix.gpus), packages=frozenset(OPTIONAL_PACKAGES))
+    planned = [pc for pc in cells.plan(on_gpu, host)
+               if not only or any(fnmatch.fnmatch(pc.cell.cell_id, g) for g in only.split(","))]
+    if not planned:
+        raise SpecError(f"--only {only!r} matches no cell of matrix {matrix.name!r} (`python -m bench list {matrix.name}`)")
+    return planned
+
+
+def run(planned: list[PlannedCell], opts: PredictOptions, provenance: dict[str, Any],
+        report: Callable[[Cell, dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """Predicts every planned cell not yet in the run; returns the run's rows of these cells."""
+    raw_dir = opts.results_dir / "raw" / opts.run_id
+    rows = results.read_raw(raw_dir)
+    todo = [pc for pc in planned if opts.redo or pc.cell.cell_id not in rows]
+    runnable = [pc.cell for pc in todo if pc.skip_reason is None]
+    for pc in todo:
+        if pc.skip_reason is not None:
+            rows[pc.cell.cell_id] = _record(pc.cell, {"status": "skipped", "skip_reason": pc.skip_reason},
+                                            opts, provenance, raw_dir, report)
+    for cell, found in _predictions(runnable, opts):
+        rows[cell.cell_id] = _record(cell, found, opts, provenance, raw_dir, report)
+    return [rows[pc.cell.cell_id] for pc in planned if pc.cell.cell_id in rows]
+
+
+def write_table(rows: list[dict[str, Any]], opts: PredictOptions, matrix: str) -> Path:
+    path = opts.results_dir / matrix / "predicted" / f"{opts.run_id}.parquet"
+    results.write_parquet(rows, path, results.PREDICTED)
+    return path
+
+
+def _predictions(runnable: list[Cell], opts: PredictOptions) -> Any:
+    """(cell, predicted columns) as each is done: in this process, or spread over `jobs` processes."""
+    if opts.jobs <= 1 or len(runnable) <= 1:
+        from .fake import predict_cell
+
+        for cell in runnable:
+            yield cell, predict_cell(cell, opts.gpu)
+        return
+    with ProcessPoolExecutor(max_workers=opts.jobs, mp_context=get_context("spawn")) as pool:
+        found = pool.map(_predict_in_worker, [(c.to_json(), opts.gpu.key) for c in runnable])
+        yield from zip(runnable, found, strict=True)
+
+
+def _predict_in_worker(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
+    from .fake import predict_cell
+
+    cell_json, gpu_key = job
+    return predict_cell(Cell.from_json(cell_json), gpus.get(gpu_key))
+
+
+def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: dict[str, Any], raw_dir: Path,
+            report: Callable[[Cell, dict[str, Any]], None]) -> dict[str, Any]:
+    c = cell.to_json()
+    memory = opts.gpu_memory_gib if opts.gpu_memory_gib is not None else opts.gpu.memory_gib
+    row = {
+        **{k: v for k, v in provenance.items() if k in results.PREDICTED.columns},
+        "schema_version": results.PREDICTED_SCHEMA_VERSION,
+        "run_id": opts.run_id,
+        **{k: c[k] for k in ("cell_id", "matrix", "model", "seq_len", "batch_size", "gpus", "stack", "device",
+                             "warmup_steps", "measure_steps", "seed")},
+        "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
+        "prediction_method": METHOD,
+        "gpu_kind": opts.gpu.key,
+        "gpu_memory_gib": memory,
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "rerun_cmd": f"python -m bench predict {cell.matrix} --gpu {opts.gpu.key} --run-id {opts.run_id} "
+                     f"--only '{cell.cell_id}' --redo",
+        **found,
+    }
+    if memory is not None and row.get("peak_allocated_gib") is not None:
+        row["headroom_gib"] = memory - row["peak_allocated_gib"]
+    results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
+    report(cell, row)
+    return row
