@@ -206,6 +206,8 @@ def read_raw(run_dir: Path) -> dict[str, dict[str, Any]]:
     """cell_id -> row, for every finished cell of a run."""
     rows = {}
     for path in sorted(run_dir.glob("*.json")):
+        if path.name.startswith("."):  # temp files, a worker's measurements, torchrun requests: never rows
+            continue
         row = json.loads(path.read_text())
         rows[row_key(row["cell_id"], row.get("repeat"))] = row
     return rows

@@ -83,6 +83,7 @@ class MemoryCounter(TorchDispatchMode):
         self.where = "build"
         self.peak = Peak()
         self.steady_peak = Peak()  # the measured stage's
+        self.phase_peaks: dict[str, int] = {}  # stage/phase -> the most bytes alive in it
         self._forward_start = 0  # first record of the current forward pass
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
@@ -116,6 +117,7 @@ class MemoryCounter(TorchDispatchMode):
         self.live_bytes += rounded
         if self.live_bytes > self.peak.nbytes:
             self.peak = Peak(self.live_bytes, self.events, self.where, op)
+        self.phase_peaks[self.where] = max(self.live_bytes, self.phase_peaks.get(self.where, 0))
         if self.where.startswith("measure/") and self.live_bytes > self.steady_peak.nbytes:
             self.steady_peak = Peak(self.live_bytes, self.events, self.where, op)
         self.events += 1

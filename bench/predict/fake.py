@@ -28,7 +28,7 @@ import contextlib
 import os
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -75,24 +75,8 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 
 def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    built = trainer.build_model(cell, device="meta")
-    # each field its own storage, as after `.to("cuda")` (on the CPU, input_ids and labels share one)
-    real_batches = [data.Batch(*(t.clone() if t is not None else None for t in
-                                 (b.input_ids, b.labels, b.attention_mask, b.position_ids)))
-                    for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
-    counter = MemoryCounter(Workspaces(gpu.cublas_workspace_bytes))
-    with _packing_known(built.setup.data == "pack"), FakeTensorMode() as mode, counter:
-        model = _fake_parameters(built.model, counter)
-        job = trainer.wrap(cell, replace(built, model=model, device="cpu"))
-        batches = [_fake_batch(b, mode, counter) for b in real_batches]
-        counter.on_optimizer = job.engine.model.parameters
-        counter.after_step = job.engine.optimizer_state
-        for stage, batch in zip(STAGES, batches, strict=False):
-            job.step(batch, counter, stage)
-        counter.finish()
-        optimizer_state_gib = measure.tensor_gib(job.engine.optimizer_state())
+    """The prediction's figures: the cell's steps on fake tensors, counted for this GPU kind."""
+    counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes))
     at_peak = counter.breakdown(counter.peak)
     return {
         "peak_allocated_gib": counter.peak.nbytes / measure.GIB,
@@ -108,6 +92,47 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "flops_per_token": built.flops_per_token,
         "allocations": len(counter.records),
     }
+
+
+def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True) -> tuple[MemoryCounter, trainer.Built, float]:
+    """The cell's steps under a MemoryCounter: (counter, the build, optimizer state GiB).
+    fake=False runs the same steps on real CPU tensors (the model built on the CPU under the
+    counter): what the tests compare the fake run with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    counter = MemoryCounter(workspaces)
+    if not fake:
+        with counter:
+            built = trainer.build_model(cell, device="cpu")
+            for tensor in (*built.model.parameters(), *built.model.buffers()):
+                counter.track(tensor, "parameter", role="weight")
+            batches = [_counted_batch(b, lambda t: t, counter) for b in _cell_batches(cell, built)]
+            return counter, built, _steps(cell, built, batches, counter)
+    built = trainer.build_model(cell, device="meta")
+    real_batches = _cell_batches(cell, built)
+    with _packing_known(built.setup.data == "pack"), FakeTensorMode() as mode, counter:
+        built = replace(built, model=_fake_parameters(built.model, counter), device="cpu")
+        batches = [_counted_batch(b, mode.from_tensor, counter) for b in real_batches]
+        return counter, built, _steps(cell, built, batches, counter)
+
+
+def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter) -> float:
+    """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
+    job = trainer.wrap(cell, built)
+    counter.on_optimizer = job.engine.model.parameters
+    counter.after_step = job.engine.optimizer_state
+    for stage, batch in zip(STAGES, batches, strict=False):
+        job.step(batch, counter, stage)
+    counter.finish()
+    return measure.tensor_gib(job.engine.optimizer_state())
+
+
+def _cell_batches(cell: Cell, built: trainer.Built) -> list[data.Batch]:
+    """The cell's real batches on the CPU, each field its own storage, as after `.to("cuda")`
+    (on the CPU, `.to` keeps input_ids and labels in one)."""
+    return [data.Batch(*(t.clone() if t is not None else None for t in
+                         (b.input_ids, b.labels, b.attention_mask, b.position_ids)))
+            for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
 
 
 def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
@@ -133,12 +158,12 @@ def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
     return model
 
 
-def _fake_batch(batch: data.Batch, mode: Any, counter: MemoryCounter) -> data.Batch:
-    """A fake copy of a real batch, counted as input."""
+def _counted_batch(batch: data.Batch, convert: Callable[[Any], Any], counter: MemoryCounter) -> data.Batch:
+    """The batch converted (to fake tensors, or kept), counted as input."""
     def fake(tensor: Any) -> Any:
         if tensor is None:
             return None
-        copy = mode.from_tensor(tensor)
+        copy = convert(tensor)
         counter.track(copy, "batch", role="input")
         return copy
 

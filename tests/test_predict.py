@@ -1,0 +1,123 @@
+"""`bench predict`: the fake run counts what a real run counts, matches the published H100 figures,
+and says what it cannot predict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench import spec
+from bench.cells import make_cell
+from bench.predict import fake, gpus
+from bench.predict.counter import BLOCK_BYTES, MemoryCounter, Workspaces
+from bench.stacks import parse_stack
+from conftest import REPO, run_bench, write_matrix
+
+SMOKE = spec.get(REPO / "matrix.yaml", "smoke")
+PUBLISHED_H100 = REPO / "results" / "llama3b" / "runs" / "llama3b-h100-20261122.parquet"
+
+
+def test_counter_counts_storages_once_rounded_to_blocks_and_frees_them() -> None:
+    import torch
+
+    with MemoryCounter() as counter:
+        a = torch.empty(100, dtype=torch.uint8)  # 100 B -> one 512 B block
+        view = a[10:]  # a view: no new allocation
+        b = torch.empty(BLOCK_BYTES + 1, dtype=torch.uint8)  # -> two blocks
+        assert counter.live_bytes == 3 * BLOCK_BYTES
+        del a, view
+        assert counter.live_bytes == 2 * BLOCK_BYTES
+        del b
+    assert counter.live_bytes == 0 and counter.peak.nbytes == 3 * BLOCK_BYTES and len(counter.records) == 2
+
+
+@pytest.mark.parametrize("stack", ["baseline", "gc + lora", "mixed", "grad_accum", "padding", "packing",
+                                   "eager_attention", "adamw(impl=foreach)"])
+def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
+    """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
+    (the real run's model is built on the CPU under the counter), the same roles at the peak."""
+    cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    fake_counter, _, fake_state = fake.counted_run(cell, Workspaces())
+    real_counter, _, real_state = fake.counted_run(cell, Workspaces(), fake=False)
+    steps = {k: v for k, v in fake_counter.phase_peaks.items() if k != "build"}  # a real build makes temporaries
+    assert steps == {k: real_counter.phase_peaks[k] for k in steps}
+    assert set(steps) >= {"first_step/forward", "first_step/backward", "first_step/optimizer", "measure/forward"}
+    assert fake_counter.breakdown(fake_counter.peak) == real_counter.breakdown(real_counter.peak)
+    assert fake_state == real_state > 0
+
+
+def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline"))
+    found = fake.fake_run(cell, gpus.get("h100"))
+    parts = [v for k, v in found.items() if k.startswith("at_peak_")]
+    assert sum(parts) == pytest.approx(found["peak_allocated_gib"])
+    # + buffers and 512 B rounding, which weighs on a tiny model (each AdamW step counter is a block)
+    assert found["at_peak_weights_gib"] == pytest.approx(found["weights_gib"], rel=0.05)
+    assert found["at_peak_optimizer_state_gib"] == pytest.approx(found["optimizer_state_gib"], rel=0.05)
+    assert found["at_peak_activations_gib"] > 0 and found["at_peak_temporaries_gib"] > 0
+    # the peak falls in backward: both threads' cuBLAS workspaces (32 MiB each on an H100) exist
+    assert found["peak_phase"] == "measure/backward" and found["at_peak_workspace_gib"] == 2 * 32 / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora"])
+def test_the_prediction_matches_the_published_h100_peak(stack: str) -> None:
+    """Llama-3.2-3B at seq 2048 batch 2, predicted on this CPU, against the H100's measured peak
+    allocated (results/llama3b): within 1%, and keyed by the same cell id."""
+    matrix = spec.get(REPO / "matrix.yaml", "llama3b")
+    cell = make_cell(matrix, "cuda", "llama-3.2-3b", 2048, 2, parse_stack(stack))
+    measured = pd.read_parquet(PUBLISHED_H100).set_index("cell_id").loc[cell.cell_id, "peak_allocated_gib"]
+    predicted = fake.predict_cell(cell, gpus.get("h100"))
+    assert predicted["status"] == "ok", predicted.get("error")
+    assert predicted["peak_allocated_gib"] == pytest.approx(measured, rel=0.01)
+
+
+MATRIX = """
+matrices:
+  p:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    gpus: [1, 2]
+    stacks: [baseline, zero2, fsdp, grad_accum(steps=4)]
+    steps: {warmup: 1, measure: 2}
+  badmodel:
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [baseline]
+"""
+
+
+@pytest.mark.timeout(300)
+def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path) -> None:
+    write_matrix(workdir, MATRIX)
+    proc = run_bench(workdir, "predict", "p", "--run-id", "p1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
+    rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/1"
+    assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
+    assert rows[("zero2", 1)]["status"] == "unsupported"
+    assert rows[("zero2", 1)]["unsupported_reason"].startswith("zero2: the DeepSpeed engine")
+    assert rows[("fsdp", 2)]["unsupported_reason"].startswith("2 ranks: predicting several GPUs needs a fake process group")
+    assert rows[("baseline", 2)]["status"] == "skipped"  # the plan's rule: several GPUs need an engine
+    assert rows[("grad_accum(steps=4)", 1)]["skip_reason"].endswith("does not split into 4 equal micro-batches")
+    assert rows[("baseline", 1)]["headroom_gib"] == pytest.approx(79.647 - rows[("baseline", 1)]["peak_allocated_gib"])
+
+    again = run_bench(workdir, "predict", "p", "--run-id", "p1")  # resumes: nothing predicted twice
+    assert again.returncode == 0 and "ok          tiny-llama" not in again.stdout
+
+    for args, message in ((("predict", "nope"), "nope"), (("predict", "p", "--only", "*zzz*"), "matches no cell"),
+                          (("predict", "p", "--gpu", "h900"), "unknown GPU kind 'h900'"),
+                          (("predict", "p", "--jobs", "0"), "--jobs must be at least 1")):
+        bad = run_bench(workdir, *args)
+        assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
+    write_matrix(workdir, MATRIX.replace("models: [tiny-llama]\n    seq_lens: [64]\n    batch_sizes: [2]\n    stacks: [baseline]",
+                                         "models: [tiny-llamaa]\n    seq_lens: [64]\n    batch_sizes: [2]\n    stacks: [baseline]"))
+    bad_model = run_bench(workdir, "predict", "badmodel")
+    assert bad_model.returncode == 2 and "tiny-llamaa" in bad_model.stderr
