@@ -15,6 +15,7 @@ Exit codes: 0 done; 1 some cell ended in error (compare: a regression); 2 bad in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -22,8 +23,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
+
 from . import cells, compare, envinfo, fit, fitreport, overhead, report, results, runner, spec
 from .predict import gpus
+from .predict import report as predict_report
 from .predict import runner as predict_runner
 from .progress import LineProgress, RichProgress
 from .stacks import StackError
@@ -96,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     fit_p.add_argument("--seq-step", type=int, default=1024)
     fit_p.add_argument("--max-seq", type=int, default=32768)
     fit_p.add_argument("--run-id", help="resume or name a fit run (default: fit-MATRIX-DEVICE-YYYYMMDD)")
+    fit_p.add_argument("--predict", action="store_true",
+                       help="the frontier from predictions alone (bench predict's fake runs), on any machine")
+    fit_p.add_argument("--gpu", default="h100", help="with --predict: the GPU kind predicted for (default h100)")
     fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
@@ -196,10 +203,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     matrix = spec.get(args.matrix_file, args.matrix)
-    try:
-        gpu = gpus.get(args.gpu)
-    except KeyError as err:
-        raise spec.SpecError(str(err.args[0])) from None
+    gpu = _gpu_kind(args.gpu)
     if args.jobs < 1 or (args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0):
         raise spec.SpecError("--jobs must be at least 1 and --gpu-memory-gib positive")
     planned = predict_runner.plan(matrix, args.only)
@@ -208,8 +212,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"predict {run_id}: {len(planned)} cells of {matrix.name!r} for {gpu.name}, on this CPU (fake tensors)")
     rows = predict_runner.run(planned, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
     table = predict_runner.write_table(rows, opts, matrix.name)
+    accuracy = predict_report.publish(args.results_dir)
     counts = Counter(r["status"] for r in rows)
-    print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}\npredictions: {table}")
+    print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}\npredictions: {table}\n"
+          f"against the measured cells: {accuracy}")
     return 1 if counts.get("error") else 0
 
 
@@ -223,6 +229,29 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    matrix, plan = _fit_plan(args)
+    if args.predict:
+        return _fit_predicted(args, matrix, plan)
+    host = envinfo.host_caps()
+    device = cells.resolve_device(matrix, host)
+    if device == "cuda" and host.cuda_devices == 0:
+        return _nothing_runnable(args, matrix, cells.plan(matrix, host), host)
+    provenance = envinfo.provenance(host)
+    run_id = args.run_id or "fit-" + _default_run_id(matrix.name, device, provenance, fresh=False)
+    opts = runner.RunOptions(results_dir=args.results_dir, run_id=run_id, prune_after_oom=False)  # the search decides
+    if device == "cpu":
+        print("note: on the CPU budgets are recorded, not enforced: only OOMs a stack raises itself bound the search")
+    hints = _predicted_hints(args.results_dir / matrix.name / "fit") if device == "cuda" else {}
+    probes = fit.MeasuredProbes(matrix, host, opts, provenance, LineProgress())
+    summary = fit.FrontierRun(matrix, host, plan, probes, hints).all()
+    probe_rows = list(results.read_raw(args.results_dir / "raw" / run_id).values())
+    board = fitreport.publish(summary, probe_rows, args.results_dir / matrix.name / "fit", run_id)
+    ran = sum(s["probes_run"] for s in summary)
+    print(f"done: {len(summary)} searches, {ran} probes run now\nfrontier: {board}")
+    return 0
+
+
+def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
     matrix = spec.get(args.matrix_file, args.matrix)
     try:
         budgets = tuple(float(b) for b in args.budgets.split(","))
@@ -232,22 +261,38 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise spec.SpecError("--budgets must be positive, --max-batch >= 1, --max-seq >= --seq-step >= 1")
     if matrix.gpus != (1,):
         raise spec.SpecError(f"matrix {matrix.name}: bench fit searches one-GPU cells; remove its gpus: {list(matrix.gpus)}")
-    host = envinfo.host_caps()
-    device = cells.resolve_device(matrix, host)
-    if device == "cuda" and host.cuda_devices == 0:
-        return _nothing_runnable(args, matrix, cells.plan(matrix, host), host)
-    provenance = envinfo.provenance(host)
-    run_id = args.run_id or "fit-" + _default_run_id(matrix.name, device, provenance, fresh=False)
-    opts = runner.RunOptions(results_dir=args.results_dir, run_id=run_id, prune_after_oom=False)  # the search decides
-    plan = fit.FitPlan(budgets, args.max_batch, args.seq_step, args.max_seq)
-    if device == "cpu":
-        print("note: on the CPU budgets are recorded, not enforced: only OOMs a stack raises itself bound the search")
-    summary = fit.FrontierRun(matrix, host, plan, opts, provenance, LineProgress()).all()
-    probe_rows = list(results.read_raw(args.results_dir / "raw" / run_id).values())
-    board = fitreport.publish(summary, probe_rows, args.results_dir / matrix.name / "fit", run_id)
+    return matrix, fit.FitPlan(budgets, args.max_batch, args.seq_step, args.max_seq)
+
+
+def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.FitPlan) -> int:
+    """The frontier from predictions alone, on any machine: each probe a fake run."""
+    gpu = _gpu_kind(args.gpu)
+    on_gpu = dataclasses.replace(matrix, device="cuda")
+    run_id = args.run_id or f"fit-{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
+    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, None)
+    probes = fit.PredictedProbes(on_gpu, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
+    summary = fit.FrontierRun(on_gpu, probes.host, plan, probes).all()
+    board = fitreport.publish_predicted(summary, list(probes.predicted.values()),
+                                        args.results_dir / matrix.name / "fit", run_id, gpu.name)
     ran = sum(s["probes_run"] for s in summary)
-    print(f"done: {len(summary)} searches, {ran} probes run now\nfrontier: {board}")
+    print(f"done: {len(summary)} searches, {ran} cells predicted now\npredicted frontier: {board}")
     return 0
+
+
+def _predicted_hints(fit_dir: Path) -> fit.Hints:
+    """The newest predicted frontier of the matrix, if there is one: where each real search starts."""
+    found = sorted(p for p in fit_dir.glob("fit-*-predicted-*.parquet") if not p.stem.endswith("-predictions"))
+    if not found:
+        return {}
+    print(f"starting each search at the predicted frontier of {found[-1].stem}")
+    return fit.hints_from(pd.read_parquet(found[-1]))
+
+
+def _gpu_kind(key: str) -> gpus.GpuKind:
+    try:
+        return gpus.get(key)
+    except KeyError as err:
+        raise spec.SpecError(str(err.args[0])) from None
 
 
 def cmd_overhead(args: argparse.Namespace) -> int:

@@ -12,13 +12,16 @@ row; both sides of the boundary (largest size that ran, smallest that OOMed) are
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import results, runner
 from .cells import Cell, PlannedCell, make_cell, resolve_device, skip_reason
-from .envinfo import HostCaps
+from .envinfo import OPTIONAL_PACKAGES, HostCaps
+from .predict import runner as predict_runner
+from .predict.runner import PredictOptions
 from .spec import MatrixSpec
 from .stacks import Stack
 
@@ -32,20 +35,27 @@ class Frontier:
 
 
 def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | None = None,
-           known_oom: int | None = None) -> Frontier:
+           known_oom: int | None = None, guess: int | None = None) -> Frontier:
     """Bisection over `sizes` (ascending). probe(size) -> a cell status: "ok" fits, "oom" does not;
-    anything else (error, timeout, host_oom) stops the search and is reported."""
+    anything else (error, timeout, host_oom, unsupported) stops the search and is reported.
+    `guess` (e.g. the predicted largest size that fits) is probed first, then its neighbour across
+    the boundary: a right guess settles the search in two probes, a wrong one still narrows it."""
     lo = max((i for i, s in enumerate(sizes) if known_ok is not None and s <= known_ok), default=-1)
     hi = min((i for i, s in enumerate(sizes) if known_oom is not None and s >= known_oom), default=len(sizes))
+    first = max((i for i, s in enumerate(sizes) if s <= guess), default=-1) if guess is not None else None
+    pending = [first, first + 1] if first is not None else []
     probes = []
     while hi - lo > 1:
-        mid = (lo + hi) // 2
+        pending = [i for i in pending if lo < i < hi]
+        mid = pending.pop(0) if pending else (lo + hi) // 2
         probes.append(sizes[mid])
         status = probe(sizes[mid])
         if status == "ok":
             lo = mid
         elif status == "oom":
             hi = mid
+            if mid == first:  # the guess was too large: the size below it next
+                pending = [mid - 1]
         else:
             return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes), f"{status} at {sizes[mid]}")
     return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes))
@@ -60,7 +70,7 @@ def max_probes(n_unknown: int) -> int:
     return max(n_unknown, 0).bit_length()
 
 
-# --- Running searches: each probe a cell, through the runner (fresh process, atomic row, resume) ---
+# --- Running searches: each probe a cell, measured (a fresh process through the runner) or predicted ---
 
 @dataclass(frozen=True)
 class FitPlan:
@@ -70,19 +80,83 @@ class FitPlan:
     max_seq: int = 32768
 
 
+class Probes(Protocol):
+    """How a probe cell is tried. `rows` holds the row of every cell tried (a resumed run's too)."""
+
+    rows: dict[str, dict[str, Any]]
+
+    def run(self, cell: Cell) -> bool:
+        """Makes the cell's row in `rows`; True if it took a run now (not already known)."""
+        ...
+
+
 @dataclass
-class FrontierRun:
-    """The searches of one `bench fit` run; probes go through the runner into `opts.run_id`."""
+class MeasuredProbes:
+    """Each probe a real cell: a fresh process through the runner, into `opts.run_id`."""
 
     matrix: MatrixSpec
     host: HostCaps
-    plan: FitPlan
     opts: runner.RunOptions
     provenance: dict[str, Any]
     progress: runner.Progress
 
     def __post_init__(self) -> None:
         self.rows = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # a resumed run's probes
+
+    def run(self, cell: Cell) -> bool:
+        reason = skip_reason(cell, self.matrix, self.host)
+        self.rows.update(runner.run([PlannedCell(cell, reason)], self.opts, self.provenance, self.progress))
+        return True
+
+
+@dataclass
+class PredictedProbes:
+    """Each probe a prediction (bench predict's fake run, one per cell whatever the budget): a cell
+    "fits" a budget when its predicted peak allocated is within it. Reserved-memory overhead and the
+    CUDA context are not modelled yet, so a predicted frontier is an upper bound of what fits."""
+
+    matrix: MatrixSpec
+    opts: PredictOptions
+    provenance: dict[str, Any]
+    report: Callable[[Cell, dict[str, Any]], None]
+
+    def __post_init__(self) -> None:
+        self.predicted = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # by cell id, no budget
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.host = HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))  # as a GPU host plans
+
+    def run(self, cell: Cell) -> bool:
+        plain = dataclasses.replace(cell, budget_gib=None)
+        ran = plain.cell_id not in self.predicted
+        if ran:
+            planned = PlannedCell(plain, skip_reason(plain, self.matrix, self.host))
+            self.predicted.update((r["cell_id"], r) for r in predict_runner.run([planned], self.opts, self.provenance,
+                                                                                 self.report))
+        found = self.predicted[plain.cell_id]
+        status = found["status"]
+        if status == "ok":
+            status = "ok" if found["peak_allocated_gib"] <= (cell.budget_gib or float("inf")) else "oom"
+        self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}
+        return ran
+
+
+Hints = dict[tuple[str, str, str, int, float], int]  # (model, stack, axis, fixed size, budget) -> a guessed largest_ok
+
+
+@dataclass
+class FrontierRun:
+    """The searches of one `bench fit` run, each probe tried by `probes`; `hints` (a predicted
+    frontier) start each bisection at the predicted boundary."""
+
+    matrix: MatrixSpec
+    host: HostCaps
+    plan: FitPlan
+    probes: Probes
+    hints: Hints = dataclasses.field(default_factory=dict)
+
+    @property
+    def rows(self) -> dict[str, dict[str, Any]]:
+        return self.probes.rows
 
     def all(self) -> list[dict[str, Any]]:
         """Per model x stack: the batch frontier at each of the matrix's sequence lengths, then the
@@ -111,7 +185,8 @@ class FrontierRun:
             def probe(size: int, cell_for: Callable[[int], Cell] = cell_for, ran: list[int] = ran) -> str:
                 return self.probe(cell_for(size), ran, size)
 
-            found = search(sizes, probe, known_ok=known_ok)
+            guess = self.hints.get((model, stack.label, axis, fixed, budget))
+            found = search(sizes, probe, known_ok=known_ok, guess=guess)
             known_ok = found.largest_ok
             out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, ran, cell_for))
         return out
@@ -126,9 +201,7 @@ class FrontierRun:
         return {}, None
 
     def probe(self, cell: Cell, ran: list[int], size: int) -> str:
-        if cell.row_key not in self.rows:  # a resumed search re-uses what its run already measured
-            reason = skip_reason(cell, self.matrix, self.host)
-            self.rows.update(runner.run([PlannedCell(cell, reason)], self.opts, self.provenance, self.progress))
+        if cell.row_key not in self.rows and self.probes.run(cell):  # a resumed search re-uses what it has
             ran.append(size)
         return self.rows[cell.row_key]["status"]
 
@@ -143,5 +216,13 @@ class FrontierRun:
             "probes": len(found.probes), "probes_run": len(ran), "stopped": found.stopped,
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
-            **{k: best.get(k) for k in ("tokens_per_s", "peak_reserved_gib", "nvml_peak_gib", "allocator_cap_gib")},
+            **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
+                                        "allocator_cap_gib")},
         }
+
+
+def hints_from(summary: Any) -> Hints:
+    """A (predicted) fit summary table as hints for another search: each search's largest_ok."""
+    return {(r["model"], r["stack"], r["axis"], int(r["seq_len"] if r["axis"] == "batch" else r["batch_size"]),
+             float(r["budget_gib"])): int(r["largest_ok"])
+            for r in summary.to_dict("records") if r["largest_ok"] == r["largest_ok"] and r["largest_ok"] is not None}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import results
-from .views import rate
+from .views import gib, rate
 
 
 def publish(summary: list[dict], probe_rows: list[dict], out_dir: Path, run_id: str) -> Path:
@@ -57,6 +57,53 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
             lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
     return "\n".join(lines) + "\n"
+
+
+def publish_predicted(summary: list[dict], predictions: list[dict], out_dir: Path, run_id: str, gpu_name: str) -> Path:
+    """The predicted frontier: RUN_ID.parquet (one row per search), RUN_ID-predictions.parquet (every
+    cell predicted, the predicted schema), FIT-predicted.md and its plot. Returns FIT-predicted.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(summary)
+    frame.to_parquet(out_dir / f"{run_id}.parquet")
+    results.write_parquet(predictions, out_dir / f"{run_id}-predictions.parquet", results.PREDICTED)
+    board = out_dir / "FIT-predicted.md"
+    board.write_text(markdown_predicted(frame, results.to_frame(predictions, results.PREDICTED), gpu_name))
+    plot(frame, out_dir / "plots" / f"{run_id}_max_batch.png")
+    return board
+
+
+def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:
+    first = predictions.iloc[0]
+    lines = [f"# PREDICTED: fits on my GPU, `{first['matrix']}`", "",
+             f"- **Predictions, not measurements**: run `{first['run_id']}`, each probe a fake run of the training step "
+             f"(`bench predict`, method {first['prediction_method']}) for {gpu_name}, on {first['cpu_name']} with torch "
+             f"{first['torch_version']}, transformers {first['transformers_version']}; {len(predictions)} cells predicted "
+             f"in {predictions['predict_s'].sum() / 60:.1f} min.",
+             "- A cell fits a budget when its predicted peak allocated is within it. Not modelled yet: the caching "
+             "allocator's reserved-memory overhead (fragmentation; up to ~20% on the published H100 runs) and the CUDA "
+             "context, so read each frontier as an upper bound of what fits.",
+             "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
+    for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
+        lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
+                  "| stack | largest batch | predicted peak allocated GiB there | headroom GiB | smallest that does not fit |",
+                  "|---|---|---|---|---|"]
+        for _, r in group.sort_values("largest_ok", ascending=False, na_position="last").iterrows():
+            largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
+            lines.append(f"| `{r['stack']}` | {largest} | {gib(r['peak_allocated_gib']) if pd.notna(r['peak_allocated_gib']) else ''} | "
+                         f"{_headroom(budget, r['peak_allocated_gib'])} | {_int(r['smallest_oom'])} |")
+        lines.append("")
+    seq_axis = summary[summary["axis"] == "seq"]
+    if len(seq_axis):
+        lines += ["## Longest sequence at batch 1 (predicted)", "",
+                  "| budget GiB | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|"]
+        for _, r in seq_axis.sort_values(["budget_gib", "stack"]).iterrows():
+            lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} |")
+        lines.append("")
+    unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
+    if len(unsupported):
+        lines += ["## Not predicted", "", "| stack | why |", "|---|---|"]
+        lines += [f"| `{r['stack']}` | {r['unsupported_reason']} |" for _, r in unsupported.iterrows()]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def plot(summary: pd.DataFrame, path: Path) -> Path | None:

@@ -13,12 +13,16 @@ from pathlib import Path
 import pandas as pd
 
 from .plots import write_plots
+from .predict.report import beside_measured, predictions
 from .results import STATUSES, read_parquet
 from .stacks import BASELINE
 from .views import PEAK_DEFINITIONS, by_cell, gib, pct, peak_column, rate, stable_peak_column
 
 
-def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = ()) -> str:
+def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = (),
+                predicted: pd.DataFrame | None = None) -> str:
+    """The board of a run; `predicted` (bench predict's rows of these cells) adds, per model and
+    sequence length, the predicted peak allocated beside the measured one."""
     runs = frame
     frame = by_cell(frame).sort_values(["model", "seq_len", "stack", "batch_size"])
     mem_col = peak_column(frame)
@@ -40,6 +44,8 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
         ranks = f"{gpus} GPUs" if group["device"].iloc[0] == "cuda" else f"{gpus} ranks (CPU processes, gloo)"
         title = f"## {model} · seq {seq}" + (f" · {ranks}" if gpus > 1 else "")
         lines += [title, "", *_grid(group, mem_col), "", *_ladder(group, ladder, mem_col)]
+        if predicted is not None:
+            lines += beside_measured(group[(group["status"] == "ok") & (group["device"] == "cuda")], predicted)
     lines += _repeatability(frame)
     lines += _checkpoints(frame, mem_col)
     lines += _not_ok(runs.sort_values(["model", "seq_len", "stack", "batch_size"], kind="stable"))
@@ -205,15 +211,16 @@ def publish(parquet: Path, ladder: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Writes the run's own board (runs/<run_id>.md) and regenerates the matrix's LEADERBOARD.md
     (with plots/) from its headline run. Returns (run board, leaderboard)."""
     run_board = parquet.with_suffix(".md")
-    run_frame = read_parquet(parquet)
-    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder))
     matrix_dir = parquet.parent.parent
+    predicted = predictions(matrix_dir.parent, matrix_dir.name)
+    run_frame = read_parquet(parquet)
+    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder, predicted=predicted))
     headline = headline_run(matrix_dir)
     frame = read_parquet(headline)
     plots = write_plots(frame, matrix_dir / "plots")
     board = matrix_dir / "LEADERBOARD.md"
     board.write_text(leaderboard(frame, reproduce_command(frame), ladder,
-                                 tuple(str(p.relative_to(matrix_dir)) for p in plots)))
+                                 tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted))
     return run_board, board
 
 

@@ -98,3 +98,48 @@ def test_fit_refuses_a_multi_gpu_matrix(tmp_path, capsys) -> None:
     """)
     assert cli.main(["--matrix-file", str(tmp_path / "matrix.yaml"), "fit", "m", "--budgets", "8"]) == 2
     assert "bench fit searches one-GPU cells; remove its gpus: [2]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [0, 1, 9, 10, 11, 30, 64])
+def test_a_guess_settles_the_search_in_two_probes_when_right_and_still_finds_the_boundary_when_wrong(limit: int) -> None:
+    sizes = list(range(1, 65))
+    for guess in (limit, limit - 1, limit + 1, limit + 20, 1, 64):
+        log: list[int] = []
+        found = fit.search(sizes, _prober(limit, log), guess=guess)
+        assert (found.largest_ok, found.smallest_oom) == (limit or None, limit + 1 if limit < 64 else None), guess
+        if guess == limit:
+            assert len(log) <= 2, (guess, log)
+        assert len(log) <= fit.max_probes(64) + 2
+
+
+PREDICTED_FIT = """
+matrices:
+  f:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [1]
+    stacks: [baseline, zero3]
+    steps: {warmup: 1, measure: 2}
+"""
+
+
+@pytest.mark.timeout(600)
+def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> None:
+    """`bench fit --predict`: each probe a fake run; a cell fits when its predicted peak allocated is
+    within the budget; a stack the fake run does not cover stops with its reason, no guess."""
+    from conftest import run_bench, write_matrix
+
+    write_matrix(workdir, PREDICTED_FIT)
+    proc = run_bench(workdir, "fit", "f", "--predict", "--budgets", "0.07", "--max-batch", "16", "--seq-step", "256",
+                     "--max-seq", "1024", "--run-id", "fp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fit_dir = workdir / "results" / "f" / "fit"
+    summary = pd.read_parquet(fit_dir / "fp.parquet").set_index(["stack", "axis"])
+    predicted = pd.read_parquet(fit_dir / "fp-predictions.parquet").set_index(["stack", "seq_len", "batch_size"])
+    largest = int(summary.loc[("baseline", "batch"), "largest_ok"])
+    assert predicted.loc[("baseline", 64, largest), "peak_allocated_gib"] <= 0.07
+    assert predicted.loc[("baseline", 64, largest + 1), "peak_allocated_gib"] > 0.07  # both sides were predicted
+    assert summary.loc[("zero3", "batch"), "stopped"].startswith("unsupported at")
+    board = (fit_dir / "FIT-predicted.md").read_text()
+    assert board.startswith("# PREDICTED: fits on my GPU") and "zero3: the DeepSpeed engine" in board

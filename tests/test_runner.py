@@ -121,20 +121,25 @@ def test_killed_runner_loses_at_most_the_cell_in_flight(workdir: Path) -> None:
     runner = subprocess.Popen(bench_args(workdir, "run", "tiny", "--run-id", "k"), cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
-    while len(list(raw.glob("*.json"))) < 2 and time.monotonic() < deadline:
+    while len(_rows(raw)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     os.kill(runner.pid, signal.SIGKILL)  # the runner only: its worker must die with it
     runner.wait()
-    finished = {p.name: p.read_bytes() for p in raw.glob("*.json")}
+    finished = _rows(raw)
     assert 2 <= len(finished) < 6
 
     time.sleep(1)
     assert not _workers_of(workdir), "a worker outlived its killed runner"
     resumed = run_bench(workdir, "run", "tiny", "--run-id", "k")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    after = {p.name: p.read_bytes() for p in raw.glob("*.json")}
+    after = _rows(raw)
     assert len(after) == 6 and all(after[name] == data for name, data in finished.items())
     assert {json.loads(d)["status"] for d in after.values()} == {"ok"}
+
+
+def _rows(raw: Path) -> dict[str, bytes]:
+    """The run's row files (a dotfile is a worker's or a temporary file, never a row)."""
+    return {p.name: p.read_bytes() for p in raw.glob("*.json") if not p.name.startswith(".")}
 
 
 def _workers_of(workdir: Path) -> list[int]:
