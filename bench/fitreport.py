@@ -89,8 +89,9 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
                   "|---|---|---|---|---|"]
         for _, r in group.sort_values("largest_ok", ascending=False, na_position="last").iterrows():
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
-            lines.append(f"| `{r['stack']}` | {largest} | {gib(r['peak_allocated_gib']) if pd.notna(r['peak_allocated_gib']) else ''} | "
-                         f"{_headroom(budget, r['peak_allocated_gib'])} | {_int(r['smallest_oom'])} |")
+            peak = gib(r["peak_allocated_gib"]) if pd.notna(r["peak_allocated_gib"]) else ""
+            lines.append(f"| `{r['stack']}` | {largest} | {peak} | {_headroom(budget, r['peak_allocated_gib'])} | "
+                         f"{_int(r['smallest_oom'])} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
     if len(seq_axis):

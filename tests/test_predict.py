@@ -117,7 +117,6 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
                           (("predict", "p", "--jobs", "0"), "--jobs must be at least 1")):
         bad = run_bench(workdir, *args)
         assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
-    write_matrix(workdir, MATRIX.replace("models: [tiny-llama]\n    seq_lens: [64]\n    batch_sizes: [2]\n    stacks: [baseline]",
-                                         "models: [tiny-llamaa]\n    seq_lens: [64]\n    batch_sizes: [2]\n    stacks: [baseline]"))
+    write_matrix(workdir, MATRIX.replace("  badmodel:\n    models: [tiny-llama]", "  badmodel:\n    models: [tiny-llamaa]"))
     bad_model = run_bench(workdir, "predict", "badmodel")
     assert bad_model.returncode == 2 and "tiny-llamaa" in bad_model.stderr
