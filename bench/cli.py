@@ -3,7 +3,7 @@
     python -m bench list MATRIX       the plan: every cell, and why a cell will be skipped
     python -m bench run MATRIX        run it (resumes a run with the same id), write parquet + leaderboard
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
-    python -m bench compare BASE CAND  per-cell deltas of two runs (parquet or run id); exit 1 on a regression
+    python -m bench compare BASE CAND  per-cell deltas of two runs, measured or predicted; exit 1 on a regression
     python -m bench predict MATRIX    each cell's peak allocated GPU memory, predicted on a CPU (fake tensors)
     python -m bench fit MATRIX --budgets 24,40,80   largest batch / sequence that trains per budget
     python -m bench overhead MATRIX --run-id ID   baseline cells beside a bare PyTorch loop (GPU)
@@ -187,8 +187,7 @@ def _collect(results_dir: Path, matrix: str, run_id: str) -> Path:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     try:
-        base, cand = (results.read_parquet(compare.resolve(ref, args.results_dir))
-                      for ref in (args.baseline, args.candidate))
+        base, cand = (results.read_any(compare.resolve(ref, args.results_dir)) for ref in (args.baseline, args.candidate))
     except FileNotFoundError as err:
         raise spec.SpecError(str(err)) from err
     gate = compare.Gate(args.mem_rel, args.mem_abs_gib, args.tps_z, args.tps_floor)

@@ -48,20 +48,20 @@ class CellDiff:
 
 
 def resolve(ref: str, results_dir: Path) -> Path:
-    """A parquet path, or a run id found under results_dir/*/runs/."""
+    """A parquet path, or a run id found under results_dir/*/runs/ (measured) or */predicted/."""
     path = Path(ref)
     if path.suffix == ".parquet":
         if not path.exists():
             raise FileNotFoundError(f"no such parquet file: {path}")
         return path
-    found = sorted(results_dir.glob(f"*/runs/{ref}.parquet"))
+    found = sorted([*results_dir.glob(f"*/runs/{ref}.parquet"), *results_dir.glob(f"*/predicted/{ref}.parquet")])
     if not found:
-        raise FileNotFoundError(f"run {ref!r}: no {results_dir}/*/runs/{ref}.parquet")
+        raise FileNotFoundError(f"run {ref!r}: no {results_dir}/*/runs/{ref}.parquet nor */predicted/{ref}.parquet")
     return found[0]
 
 
 def compare(base: pd.DataFrame, cand: pd.DataFrame, gate: Gate = Gate()) -> list[CellDiff]:
-    mem_col = peak_column(base)  # the leaderboard's "peak": reserved on GPU, host RSS on CPU
+    mem_col = peak_column(base)  # reserved on GPU, host RSS on CPU, allocated for predictions
     cand_by_id = {r["cell_id"]: r for r in by_cell(cand).to_dict("records")}
     return [_diff(b, cand_by_id.get(b["cell_id"]), mem_col, gate) for b in by_cell(base).to_dict("records")]
 
@@ -139,7 +139,8 @@ def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate
     """A report readable in a pull request: verdict, what changed between the runs, then per cell."""
     counts = {v: sum(d.verdict == v for d in diffs) for v in ("regression", "improvement", "same", "missing")}
     verdict = "FAIL" if counts["regression"] else "PASS"
-    lines = [f"# Regression check: {verdict}", "",
+    kind = " (predictions: no GPU ran)" if "prediction_method" in base.columns else ""
+    lines = [f"# Regression check{kind}: {verdict}", "",
              f"{counts['regression']} regressed, {counts['improvement']} improved, {counts['same']} unchanged, "
              f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: peak +max({gate.mem_rel:.0%}, "
              f"{gate.mem_abs_gib} GiB); tokens/s -max({gate.tps_floor:.0%}, {gate.tps_z:g}σ of the step-time spread).",
@@ -154,7 +155,8 @@ def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate
 
 
 def _versions(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]:
-    cols = ["run_id", "gpu_name", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
+    cols = ["run_id", "gpu_name", "gpu_kind", "prediction_method",
+            "torch_version", "transformers_version", "peft_version", "deepspeed_version",
             "liger_kernel_version", "bitsandbytes_version", "git_sha"]
     rows = ["| | baseline | candidate |", "|---|---|---|"]
     for col in cols:

@@ -255,6 +255,14 @@ def write_parquet(rows: list[dict[str, Any]], path: Path, table: Table = MEASURE
     os.replace(tmp, path)
 
 
+def read_any(path: Path):
+    """A measured or a predicted table, whichever the file is (its `bench.table` metadata)."""
+    import pyarrow.parquet as pq
+
+    kind = (pq.read_schema(path).metadata or {}).get(b"bench.table", b"measured")
+    return read_parquet(path, PREDICTED if kind == b"predicted" else MEASURED)
+
+
 def read_parquet(path: Path, table: Table = MEASURED):
     """A run's table in the current schema: tables published under an older schema version stay
     readable by the current reports (columns added since are derived where they can be, else empty)."""

@@ -21,6 +21,8 @@ PEAK_DEFINITIONS = {
     "peak_reserved_gib": "overall peak reserved by the caching allocator, from model build through the first "
                          "(optimizer-state) step to the last: what must fit on the card, CUDA context not included "
                          "(see nvml_peak_gib in the parquet for that)",
+    "peak_allocated_gib": "PREDICTED overall peak of allocated bytes (bench predict): live tensors only, no "
+                          "allocator caching, no CUDA context",
     "host_rss_peak_gib": "peak resident memory of the worker process (CPU run: weights, activations and optimizer "
                          "state live in host RAM, with the Python runtime and libraries)",
 }
@@ -31,7 +33,10 @@ def _device(frame: pd.DataFrame) -> str:
 
 
 def peak_column(frame: pd.DataFrame) -> str:
-    """The column a table shows as a cell's peak memory (definition: PEAK_DEFINITIONS)."""
+    """The column a table shows as a cell's peak memory (definition: PEAK_DEFINITIONS). A table of
+    predictions has one peak: allocated (what bench predict predicts)."""
+    if "prediction_method" in frame.columns:
+        return "peak_allocated_gib"
     return PEAK_COLUMNS[_device(frame)]
 
 

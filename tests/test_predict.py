@@ -120,3 +120,43 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     write_matrix(workdir, MATRIX.replace("  badmodel:\n    models: [tiny-llama]", "  badmodel:\n    models: [tiny-llamaa]"))
     bad_model = run_bench(workdir, "predict", "badmodel")
     assert bad_model.returncode == 2 and "tiny-llamaa" in bad_model.stderr
+
+
+@pytest.mark.parametrize(("dtype", "autocast"), [("bfloat16", False), ("float32", True)])
+def test_gradient_sums_are_counted_in_place_where_a_plain_run_adds_in_place(dtype: str, autocast: bool) -> None:
+    """Any dispatch mode makes autograd sum gradients out of place; the counter counts each sum the
+    way a run without one does. A tied embedding's two gradients: torch's profiler on a plain run
+    says add (bf16, the lm_head gradient arrives as a view) or add_ (fp32 cast back by autocast)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from bench import models
+
+    config = models.hf_config(models.get("tiny-llama"), "sdpa")
+    config.tie_word_embeddings, config.use_cache = True, False
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).train()
+    tokens = torch.randint(0, config.vocab_size, (1, 64))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    vocab_shape = [config.vocab_size, config.hidden_size]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    plain = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_") and e.input_shapes[:1] == [vocab_shape]]
+    with MemoryCounter() as counter:
+        counter.enter("s/forward")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        counter.enter("s/backward")
+        loss.backward()
+        counter.enter("s/optimizer")
+    vocab_bytes = config.vocab_size * config.hidden_size * model.dtype.itemsize
+    counted = [in_place for nbytes, in_place in counter.sums if nbytes == -(-vocab_bytes // BLOCK_BYTES) * BLOCK_BYTES]
+    assert plain == ["aten::add_" if autocast else "aten::add"]
+    assert counted == [autocast]

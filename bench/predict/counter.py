@@ -42,11 +42,12 @@ CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv"
 @dataclass
 class Record:
     nbytes: int  # rounded up to BLOCK_BYTES
-    made: int  # event index of the allocation
+    made: int  # event index of the allocation (-1 until counted)
     where: str  # stage/phase it was made in
     op: str
     freed: int | None = None  # event index of the free; None: alive at the end
     role: str | None = None  # None until known: then "temporary"
+    viewed: bool = False  # a view op returned a tensor over it (see _is_gradient_sum)
 
 
 @dataclass(frozen=True)
@@ -85,19 +86,27 @@ class MemoryCounter(TorchDispatchMode):
         self.steady_peak = Peak()  # the measured stage's
         self.phase_peaks: dict[str, int] = {}  # stage/phase -> the most bytes alive in it
         self._forward_start = 0  # first record of the current forward pass
+        self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
+        self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
 
     # --- allocations ---
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._settle()  # an accumulation the previous op left pending: its first operand outlived it
         op = func.overloadpacket.__name__
         if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
             self._workspace_for(self.workspaces.thread_of(self.where))
         out = func(*args, **(kwargs or {}))
+        if self._is_gradient_sum(op, args, kwargs, out):
+            self._sum(out, args[0])
+            return out
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf, op)
+                if func.is_view:
+                    self.records[self._record_of[leaf.untyped_storage()]].viewed = True
         return out
 
     def track(self, tensor: torch.Tensor, op: str, role: str | None = None) -> None:
@@ -105,39 +114,98 @@ class MemoryCounter(TorchDispatchMode):
         storage = tensor.untyped_storage()
         index = self._record_of.get(storage)
         if index is None:
-            index = self._allocate(storage.nbytes(), op)
-            self._record_of[storage] = index
-            weakref.finalize(storage, self._free, index)
+            index = self._new_record(storage, op)
+            self._count(index)
         if role is not None:
             self.records[index].role = role
 
-    def _allocate(self, nbytes: int, op: str) -> int:
-        rounded = -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
-        self.records.append(Record(rounded, self.events, self.where, op))
-        self.live_bytes += rounded
+    def _new_record(self, storage: Any, op: str) -> int:
+        rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES
+        self.records.append(Record(rounded, -1, self.where, op))
+        index = len(self.records) - 1
+        self._record_of[storage] = index
+        weakref.finalize(storage, self._free, index)
+        return index
+
+    def _count(self, index: int) -> None:
+        """The record's bytes become live now: an allocation event, and maybe a new peak."""
+        record = self.records[index]
+        record.made = self.events
+        self.live_bytes += record.nbytes
         if self.live_bytes > self.peak.nbytes:
-            self.peak = Peak(self.live_bytes, self.events, self.where, op)
+            self.peak = Peak(self.live_bytes, self.events, self.where, record.op)
         self.phase_peaks[self.where] = max(self.live_bytes, self.phase_peaks.get(self.where, 0))
         if self.where.startswith("measure/") and self.live_bytes > self.steady_peak.nbytes:
-            self.steady_peak = Peak(self.live_bytes, self.events, self.where, op)
+            self.steady_peak = Peak(self.live_bytes, self.events, self.where, record.op)
         self.events += 1
-        return len(self.records) - 1
 
     def _free(self, index: int) -> None:
         record = self.records[index]
+        if self._pending is not None and index in self._pending:
+            self._resolve_pending(index)
+            return
         record.freed = self.events
         self.live_bytes -= record.nbytes
         self.events += 1
 
+    # --- gradient accumulation, as a run without a dispatch mode does it ---
+    # When two gradients flow into one input, autograd's engine sums them. A plain run adds the new
+    # one into the old in place when it holds the last reference to it and its storage
+    # (can_accumulate_inplace, torch/csrc/autograd/input_buffer.cpp); with any Python dispatch mode
+    # active (this counter, or fake tensors) it never does, and writes `old + new` to a new tensor,
+    # then drops the old one: a transient allocation a GPU run does not make. So such an add is held
+    # pending: if its first operand dies before the next op, the plain run would have reused it (the
+    # bytes move over, no allocation); if it is still alive, the sum was a real allocation and is
+    # counted then. An operand over a storage some view op returned is summed out of place by a plain
+    # run too (seen with torch's profiler: a tied bf16 embedding's gradient arrives from lm_head as a
+    # transposed view and is added out of place; an fp32 one, cast back by autocast, in place).
+
+    def _is_gradient_sum(self, op: str, args: Any, kwargs: Any, out: Any) -> bool:
+        """The engine's gradient sum: an add in backward, grad mode off, two tensors of the result's
+        shape and dtype, no alpha (a recomputed forward under gc runs with grad mode on)."""
+        return (op == "add" and not kwargs and self.where.endswith("/backward") and not torch.is_grad_enabled()
+                and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args) and isinstance(out, torch.Tensor)
+                and args[0].shape == args[1].shape == out.shape and args[0].dtype == out.dtype
+                and self._record_of.get(args[0].untyped_storage()) is not None
+                and self._record_of.get(out.untyped_storage()) is None)
+
+    def _sum(self, out: torch.Tensor, operand: torch.Tensor) -> None:
+        old = self._record_of[operand.untyped_storage()]
+        if self.records[old].viewed:  # out of place in a plain run too
+            self.track(out, "add")
+            self.sums.append((self.records[self._record_of[out.untyped_storage()]].nbytes, False))
+        else:  # pending: in place if the operand dies before the next op
+            self._pending = (self._new_record(out.untyped_storage(), "add"), old)
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            result, _ = self._pending
+            self._pending = None
+            self._count(result)
+            self.sums.append((self.records[result].nbytes, False))
+
+    def _resolve_pending(self, dying: int) -> None:
+        result, operand = self._pending or (-1, -1)
+        self._pending = None
+        if dying == operand:  # reused in place by a plain run: the operand's bytes become the result's
+            self.records[operand].freed = self.records[result].made = self.events
+            self.events += 1
+            self.sums.append((self.records[result].nbytes, True))
+        else:  # the sum itself died before the next op: it never counted
+            self.records[result].made = self.records[result].freed = self.events
+            self.events += 1
+
     def _workspace_for(self, thread: str) -> None:
         if thread not in self._threads_with_workspace:
             self._threads_with_workspace.add(thread)
-            index = self._allocate(self.workspaces.bytes_per_thread, f"cublas workspace ({thread} thread)")
-            self.records[index].role = "workspace"
+            self.records.append(Record(self.workspaces.bytes_per_thread, -1, self.where, f"cublas workspace ({thread} thread)",
+                                       role="workspace"))
+            self._count(len(self.records) - 1)
 
     # --- phases: the trainer calls enter() as each begins; roles become known at the boundaries ---
 
     def enter(self, where: str) -> None:
+        self._settle()
         before, self.where = self.where, where
         if where.endswith("/forward"):
             if before.endswith("/optimizer"):
@@ -152,6 +220,7 @@ class MemoryCounter(TorchDispatchMode):
 
     def finish(self) -> None:
         """After the last step: the optimizer's state of that step is known too."""
+        self._settle()
         if self.where.endswith("/optimizer"):
             self._mark(self.after_step(), "optimizer_state")
         self.where = "done"
