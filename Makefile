@@ -1,8 +1,11 @@
 # make install   create .venv and install the suite (torch first: TORCH_SPEC picks the build)
 # make bench     run a matrix (MATRIX=smoke by default) and write results/<matrix>/
 # make list      print a matrix's plan      make report   regenerate its leaderboard
-# make test      CPU tests                  make lint     ruff + mypy
+# make test      CPU tests (all; CI)        make test-fast  the inner loop: no real worker processes
+# make lint      ruff + mypy
 # make fit       fit frontier: MATRIX=fit3b BUDGETS=24,40,80 (GPU)
+# make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
+# make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 # make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
 MATRIX ?= smoke
@@ -13,12 +16,15 @@ ARGS ?=
 VERSIONS ?=
 BUDGETS ?= 24,40,80
 REGRESS_BASELINE ?= regress-h100-image-a
+PREDICT_BASELINE ?= regress-predicted-h100-20261123
+PREDICT_GATE_DIR ?= .predict-gate
+PREDICT_GATE_RUN = regress-predicted-$(or $(VERSIONS),current)
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
 LLAMA3B_RUN ?= llama3b-h100-20261122
 
-.PHONY: install bench list report fit test test-gpu lint versions-env regress regress-benchmark gpu-backlog
+.PHONY: install bench list report fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
 
 install:
 	python3 -m venv $(VENV)
@@ -40,8 +46,20 @@ report:
 fit:  # largest batch / sequence per stack under each memory budget (GiB), e.g. make fit MATRIX=fit3b
 	$(PY) -m bench fit $(MATRIX) --budgets $(BUDGETS) $(ARGS)
 
+predict:
+	$(PY) -m bench predict $(MATRIX) $(ARGS)
+
+predict-gate:  # a torch / transformers / peft release that changes training memory, caught on a CPU
+	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict regress --run-id $(PREDICT_GATE_RUN) --redo $(ARGS)
+	$(REGRESS_PY) -m bench compare results/regress/predicted/$(PREDICT_BASELINE).parquet \
+		$(PREDICT_GATE_DIR)/regress/predicted/$(PREDICT_GATE_RUN).parquet \
+		--out results/regress/compare/$(PREDICT_BASELINE)_vs_$(PREDICT_GATE_RUN).md
+
 test:
 	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 test-gpu:
 	$(PY) -m pytest -q -m gpu

@@ -7,6 +7,7 @@ can prune the larger batches of its group.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import re
@@ -150,6 +151,17 @@ def expand(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> li
     if duplicated:  # e.g. "gc+lora" and "lora + gc" listed twice
         raise SpecError(f"matrix {matrix.name}: the same cell is listed twice: {sorted(duplicated)[0]}")
     return cells
+
+
+def matching(planned: list[PlannedCell], only: str | None, matrix: str) -> list[PlannedCell]:
+    """The planned cells whose id matches one of the comma-separated globs (all if None); globs that
+    match nothing are bad input."""
+    if not only:
+        return planned
+    found = [pc for pc in planned if any(fnmatch.fnmatch(pc.cell.cell_id, g) for g in only.split(","))]
+    if not found:
+        raise SpecError(f"--only {only!r} matches no cell of matrix {matrix!r} (`python -m bench list {matrix}`)")
+    return found
 
 
 def plan(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[PlannedCell]:

@@ -39,8 +39,10 @@ DEFAULT_RESULTS = envinfo.REPO / "results"
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if getattr(args, "run_id", None) is not None:  # it names files and folders under results/
+            spec.safe_name(args.run_id, "run id")
         return int(args.func(args))
-    except (spec.SpecError, StackError) as err:
+    except (spec.SpecError, StackError, results.RunBusy) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -52,11 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(required=True, dest="command")
 
     ls = sub.add_parser("list", help="print the plan of a matrix; runs nothing")
-    ls.add_argument("matrix")
+    ls.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     ls.set_defaults(func=cmd_list)
 
     run = sub.add_parser("run", help="run a matrix")
-    run.add_argument("matrix")
+    run.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     run.add_argument("--run-id", help="resume or name a run (default: MATRIX-DEVICE-YYYYMMDD, resumed if present)")
     run.add_argument("--fresh", action="store_true", help="start a new run id instead of resuming today's")
     run.add_argument("--only", help="only cells whose id matches one of these globs (comma list), e.g. '*_b2_*'")
@@ -67,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="start the next worker while a cell runs (auto: on for GPU runs)")
     run.set_defaults(func=cmd_run)
 
-    rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its newest run")
-    rep.add_argument("matrix")
+    rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its headline run (the one with the "
+                                         "most cells, the newest among equals)")
+    rep.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     rep.add_argument("--run-id", help="re-collect this run's raw rows (results/raw/RUN_ID) into its parquet first")
     rep.set_defaults(func=cmd_report)
 
@@ -84,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.set_defaults(func=cmd_compare)
 
     pred = sub.add_parser("predict", help="predict each cell's peak allocated GPU memory on a CPU (fake tensors)")
-    pred.add_argument("matrix")
+    pred.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     pred.add_argument("--only", help="only cells whose id matches one of these globs (comma list)")
     pred.add_argument("--gpu", default="h100", help=f"GPU kind predicted for: {', '.join(gpus.GPUS)} (default h100)")
     pred.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
@@ -94,11 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     pred.set_defaults(func=cmd_predict)
 
     fit_p = sub.add_parser("fit", help="per budget: the largest batch (and at batch 1 the longest sequence) that trains")
-    fit_p.add_argument("matrix")
+    fit_p.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     fit_p.add_argument("--budgets", required=True, help="memory budgets in GiB, comma list, e.g. 24,40,80")
-    fit_p.add_argument("--max-batch", type=int, default=64)
-    fit_p.add_argument("--seq-step", type=int, default=1024)
-    fit_p.add_argument("--max-seq", type=int, default=32768)
+    fit_p.add_argument("--max-batch", type=int, default=64, help="largest batch size searched (default 64)")
+    fit_p.add_argument("--seq-step", type=int, default=1024,
+                       help="sequence lengths searched at batch 1 are multiples of this (default 1024)")
+    fit_p.add_argument("--max-seq", type=int, default=32768, help="longest sequence length searched (default 32768)")
     fit_p.add_argument("--run-id", help="resume or name a fit run (default: fit-MATRIX-DEVICE-YYYYMMDD)")
     fit_p.add_argument("--predict", action="store_true",
                        help="the frontier from predictions alone (bench predict's fake runs), on any machine")
@@ -106,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
-    ovh.add_argument("matrix")
+    ovh.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     ovh.add_argument("--run-id", required=True)
     ovh.add_argument("--only", help="cells whose id matches one of these globs (comma list)")
     ovh.set_defaults(func=cmd_overhead)
@@ -123,8 +127,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{matrix.name}: {len(planned)} cells, {runnable} runnable here, {len(planned) - runnable} skipped"
           + (f" — {matrix.description}" if matrix.description else ""))
     for pc in planned:
-        print(f"  {'run ' if pc.skip_reason is None else 'skip'}  {pc.cell.cell_id}"
-              + (f"  ({pc.skip_reason})" if pc.skip_reason else ""))
+        if pc.skip_reason is None:
+            print(f"  run   {pc.cell.cell_id}")
+    skipped = Counter(pc.skip_reason for pc in planned if pc.skip_reason)
+    for reason, count in skipped.items():  # one line per reason: a GPU matrix on a CPU is one reason, not 336 lines
+        example = next(pc.cell.cell_id for pc in planned if pc.skip_reason == reason)
+        print(f"  skip  {example}  ({reason})" if count == 1 else f"  skip  {count} cells, e.g. {example}  ({reason})")
     print("Cells after an OOM at a smaller batch of the same model/seq/stack are pruned at run time.")
     return 0
 
@@ -135,11 +143,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise spec.SpecError(f"--repeats must be at least 1, not {args.repeats}")
     planned = cells.plan(matrix, host, args.repeats)
+    cells.matching(planned, args.only, matrix.name)  # refuses globs that match nothing
     if not any(pc.skip_reason is None for pc in planned):
         return _nothing_runnable(args, matrix, planned, host)
     device = cells.resolve_device(matrix, host)
     provenance = envinfo.provenance(host)
     run_id = args.run_id or _default_run_id(matrix.name, device, provenance, args.fresh)
+    published = report.published_runs(args.results_dir / matrix.name) or set()
+    if not args.run_id and args.results_dir / matrix.name / "runs" / f"{run_id}.parquet" in published:
+        run_id += "-local"  # a user's run never writes into a published one (same matrix, same day)
     opts = runner.RunOptions(
         results_dir=args.results_dir,
         run_id=run_id,
@@ -155,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = {pc.cell.row_key for pc in planned}
     parquet = args.results_dir / matrix.name / "runs" / f"{run_id}.parquet"
     results.write_parquet([r for cid, r in rows.items() if cid in ids], parquet)
-    run_board, board = report.publish(parquet, matrix.ladder)
+    run_board, board = report.publish(parquet, matrix.ladder, report.Plan.of(matrix))
     counts = runner.summarize(rows, planned)
     print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}")
     print(f"table: {parquet}\nthis run: {run_board}\nleaderboard: {board}")
@@ -168,8 +180,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                    else report.headline_run(args.results_dir / args.matrix))
     except FileNotFoundError as err:
         raise spec.SpecError(str(err)) from err
-    ladder = spec.get(args.matrix_file, args.matrix).ladder if args.matrix in spec.load(args.matrix_file) else ()
-    run_board, board = report.publish(parquet, ladder)
+    matrix = spec.load(args.matrix_file).get(args.matrix)  # a matrix since removed from matrix.yaml: no plan
+    run_board, board = report.publish(parquet, matrix.ladder if matrix else (), report.Plan.of(matrix) if matrix else None)
     print(f"this run: {run_board}\nleaderboard: {board} (from {report.headline_run(args.results_dir / args.matrix)})")
     return 0
 
@@ -190,6 +202,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         base, cand = (results.read_any(compare.resolve(ref, args.results_dir)) for ref in (args.baseline, args.candidate))
     except FileNotFoundError as err:
         raise spec.SpecError(str(err)) from err
+    if not set(base["cell_id"]) & set(cand["cell_id"]):
+        raise spec.SpecError(f"{args.baseline} and {args.candidate} have no cell in common (other matrices or "
+                             "settings): nothing to compare")
     gate = compare.Gate(args.mem_rel, args.mem_abs_gib, args.tps_z, args.tps_floor)
     diffs = compare.compare(base, cand, gate)
     text = compare.markdown(diffs, base, cand, gate)

@@ -121,7 +121,7 @@ class PredictedProbes:
     report: Callable[[Cell, dict[str, Any]], None]
 
     def __post_init__(self) -> None:
-        self.predicted = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # by cell id, no budget
+        self.predicted = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id, results.PREDICTED)
         self.rows: dict[str, dict[str, Any]] = {}
         self.host = HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))  # as a GPU host plans
 

@@ -8,6 +8,7 @@ OOM and skipped cells stay visible in the grid and are listed with their reasons
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -15,27 +16,43 @@ import pandas as pd
 from .plots import write_plots
 from .predict.report import beside_measured, predictions
 from .results import STATUSES, read_parquet
+from .spec import MatrixSpec
 from .stacks import BASELINE
 from .views import PEAK_DEFINITIONS, by_cell, gib, pct, peak_column, rate, stable_peak_column
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the matrix plans, so a board can say how much of it the run covers."""
+
+    cells: int
+    stacks: tuple[str, ...]
+
+    @classmethod
+    def of(cls, matrix: MatrixSpec) -> Plan:
+        per_stack = len(matrix.models) * len(matrix.gpus) * len(matrix.seq_lens) * len(matrix.batch_sizes)
+        return cls(per_stack * len(matrix.stacks), tuple(s.label for s in matrix.stacks))
+
+
 def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = (),
-                predicted: pd.DataFrame | None = None) -> str:
+                predicted: pd.DataFrame | None = None, plan: Plan | None = None) -> str:
     """The board of a run; `predicted` (bench predict's rows of these cells) adds, per model and
-    sequence length, the predicted peak allocated beside the measured one."""
+    sequence length, the predicted peak allocated beside the measured one; `plan` states coverage."""
     runs = frame
     frame = by_cell(frame).sort_values(["model", "seq_len", "stack", "batch_size"])
     mem_col = peak_column(frame)
     mem_def = PEAK_DEFINITIONS[mem_col]
     first = frame.iloc[0]
-    lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command, len(runs)), "",
+    lines = [f"# Leaderboard: `{first['matrix']}`", "", *_caption(frame, command, len(runs)), *_coverage(frame, plan), "",
              f"Each cell: **peak GiB · tokens/s**. Peak = {mem_def}. Tokens/s = tokens in the "
              f"{first['measure_steps']} measured steps / their summed step time, after "
              f"{first['warmup_steps']} warm-up steps. GiB = 2^30 bytes. `OOM (phase)`: out of GPU memory; "
              "`skip`: not run (reasons below); empty: not part of this run. `(NVML x)`: the device-level peak, "
              f"shown where it exceeds the allocator's by more than {UNSEEN_BY_TORCH_GIB:g} GiB (memory torch does not see, "
              "e.g. paged optimizer state). *vs baseline*: change against the baseline stack at the "
-             "largest batch size both ran. `(useful x)`: non-padding tokens/s, shown where padding makes it "
+             "largest batch size both ran; *within noise (±x)*: the tokens/s change is inside 3 standard errors of "
+             "the two cells' mean step times. `(CV x)`: the cell's step times spread by x (stdev / mean), shown from "
+             f"{NOISY_CV:.0%}. `(useful x)`: non-padding tokens/s, shown where padding makes it "
              "differ. Several GPUs: batch and peak are per GPU (peak = max over ranks), tokens/s is all GPUs "
              "together.", ""]
     if plots:
@@ -74,6 +91,16 @@ def _caption(frame: pd.DataFrame, command: str, n_runs: int) -> list[str]:
     ]
 
 
+def _coverage(frame: pd.DataFrame, plan: Plan | None) -> list[str]:
+    if plan is None:
+        return []
+    missing = [s for s in plan.stacks if s not in set(frame["stack"])]
+    lines = [f"- Coverage: {frame['cell_id'].nunique()} of the {plan.cells} cells the matrix plans"]
+    if missing:
+        lines.append(f"- Stacks not measured yet: {', '.join(f'`{s}`' for s in missing)}")
+    return lines
+
+
 def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
     batches = sorted(group["batch_size"].unique())
     stacks = sorted(group["stack"].unique(), key=lambda s: (s != BASELINE, s))
@@ -88,6 +115,8 @@ def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
         rows.append("| " + " | ".join([f"`{stack}`", *cells, largest, _vs_baseline(ok, base, mem_col, stack)]) + " |")
     return rows
 
+
+NOISY_CV = 0.10  # step times spread this much (stdev / mean) or more: the cell shows its CV
 
 # Above this, device memory held outside torch's allocator matters (CUDA context is ~0.5-1 GiB):
 # e.g. bitsandbytes' paged optimizer state in CUDA managed memory. The cell then shows NVML's peak too.
@@ -122,7 +151,9 @@ def _cell(row: pd.Series, mem_col: str) -> str:
         device = f" (NVML {gib(nvml)})" if unseen else ""
         useful = row.get("useful_tokens_per_s")
         padded = f" (useful {rate(useful)})" if pd.notna(useful) and useful < 0.999 * row["tokens_per_s"] else ""
-        return f"{gib(row[mem_col])} GiB{device} · {rate(row['tokens_per_s'])}{padded}"
+        cv = row.get("step_time_cv")
+        noisy = f" (CV {cv:.0%})" if pd.notna(cv) and cv >= NOISY_CV else ""
+        return f"{gib(row[mem_col])} GiB{device} · {rate(row['tokens_per_s'])}{noisy}{padded}"
     if row["status"] == "oom":
         return f"OOM ({row['oom_phase']})"
     if row["status"] == "skipped":
@@ -140,7 +171,16 @@ def _vs_baseline(ok: pd.DataFrame, base: pd.DataFrame, mem_col: str, stack: str)
     b = shared[-1]
     mem = ok.loc[b, mem_col] / base_ok.loc[b, mem_col] - 1
     rate = ok.loc[b, "tokens_per_s"] / base_ok.loc[b, "tokens_per_s"] - 1
-    return f"mem {pct(mem)}, tok/s {pct(rate)} (b={b})"
+    band = _noise_band(ok.loc[b], base_ok.loc[b])
+    speed = f"tok/s within noise (±{band:.0%})" if abs(rate) <= band else f"tok/s {pct(rate)}"
+    return f"mem {pct(mem)}, {speed} (b={b})"
+
+
+def _noise_band(a: pd.Series, b: pd.Series) -> float:
+    """3 standard errors of the difference of two cells' mean step times (each CV / sqrt(steps)):
+    a tokens/s change inside it is not a finding."""
+    errors = [r["step_time_cv"] / r["measure_steps"] ** 0.5 for r in (a, b) if pd.notna(r.get("step_time_cv"))]
+    return 3 * sum(e * e for e in errors) ** 0.5
 
 
 def _distinct(values: pd.Series) -> list[str]:
@@ -193,12 +233,29 @@ def _not_ok(frame: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
+def published_runs(matrix_dir: Path) -> set[Path] | None:
+    """The run tables the project publishes: those git tracks. None outside a git work tree (then
+    every run there counts). Publishing a run is committing its parquet."""
+    import subprocess
+
+    try:
+        found = subprocess.run(["git", "ls-files", "--", "runs/*.parquet"], cwd=matrix_dir, capture_output=True,
+                               text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {matrix_dir / name for name in found}
+
+
 def headline_run(matrix_dir: Path) -> Path:
-    """The run a matrix's LEADERBOARD.md shows: the one with the most cells, the newest among equals
-    (a small side run, e.g. repeats of three cells, gets its own runs/<run_id>.md instead)."""
+    """The run a matrix's LEADERBOARD.md shows: the published run with the most cells, the newest
+    among equals (a small side run, e.g. repeats of three cells, gets its own runs/<run_id>.md
+    instead). A user's own, unpublished run never replaces it: it gets its own board."""
     runs = sorted((matrix_dir / "runs").glob("*.parquet"))
     if not runs:
         raise FileNotFoundError(f"no runs under {matrix_dir / 'runs'}: run `python -m bench run {matrix_dir.name}` first")
+    published = published_runs(matrix_dir) if (matrix_dir / "runs").is_dir() else None
+    if published:
+        runs = [r for r in runs if r in published] or runs
 
     def size_then_time(path: Path) -> tuple[int, str]:
         frame = pd.read_parquet(path, columns=["cell_id", "started_at"])
@@ -207,20 +264,20 @@ def headline_run(matrix_dir: Path) -> Path:
     return max(runs, key=size_then_time)
 
 
-def publish(parquet: Path, ladder: tuple[str, ...] = ()) -> tuple[Path, Path]:
+def publish(parquet: Path, ladder: tuple[str, ...] = (), plan: Plan | None = None) -> tuple[Path, Path]:
     """Writes the run's own board (runs/<run_id>.md) and regenerates the matrix's LEADERBOARD.md
     (with plots/) from its headline run. Returns (run board, leaderboard)."""
     run_board = parquet.with_suffix(".md")
     matrix_dir = parquet.parent.parent
     predicted = predictions(matrix_dir.parent, matrix_dir.name)
     run_frame = read_parquet(parquet)
-    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder, predicted=predicted))
+    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder, predicted=predicted, plan=plan))
     headline = headline_run(matrix_dir)
     frame = read_parquet(headline)
     plots = write_plots(frame, matrix_dir / "plots")
     board = matrix_dir / "LEADERBOARD.md"
     board.write_text(leaderboard(frame, reproduce_command(frame), ladder,
-                                 tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted))
+                                 tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted, plan))
     return run_board, board
 
 

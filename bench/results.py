@@ -13,9 +13,12 @@ throughput is all ranks together (and per GPU in tokens_per_s_per_gpu).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,14 +205,71 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_raw(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """cell_id -> row, for every finished cell of a run."""
+class RunBusy(RuntimeError):
+    """Another process holds the run id's lock."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One runner per run id: an OS lock (flock) on run_dir/.lock, released when its holder exits,
+    however it exits. A second runner is refused, naming the holder's pid."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise RunBusy(f"run {run_dir.name} is being run by another process (pid {holder}): "
+                          "wait for it, or use another --run-id") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+
+
+def read_raw(run_dir: Path, table: Table = MEASURED) -> dict[str, dict[str, Any]]:
+    """row key -> row, for every finished cell of a run. Dotfiles (temporary files, a worker's
+    measurements, torchrun requests, the lock) are never rows; a file that is not a valid row is
+    moved to run_dir/broken/, named on stderr, and its cell counts as not run."""
     rows = {}
     for path in sorted(run_dir.glob("*.json")):
-        if path.name.startswith("."):  # temp files, a worker's measurements, torchrun requests: never rows
+        if path.name.startswith("."):
             continue
-        row = json.loads(path.read_text())
-        rows[row_key(row["cell_id"], row.get("repeat"))] = row
+        try:
+            row = json.loads(path.read_text())
+            key = row_key(row["cell_id"], row.get("repeat"))
+            if row.get("status") not in table.statuses:
+                raise ValueError(f"status {row.get('status')!r} is not one of {', '.join(table.statuses)}")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            _set_aside(path, err)
+            continue
+        rows[key] = row
+    return rows
+
+
+def _set_aside(path: Path, err: Exception) -> None:
+    broken = path.parent / "broken"
+    broken.mkdir(exist_ok=True)
+    os.replace(path, broken / path.name)
+    print(f"warning: {path} is not a result row ({type(err).__name__}: {err}); moved to {broken / path.name}, "
+          "its cell will run again", file=sys.stderr)
+
+
+def published_rows(results_dir: Path, run_id: str) -> dict[str, dict[str, Any]]:
+    """row key -> row of the run's published table (results/*/runs/RUN_ID.parquet), if there is one:
+    what a run published from another machine (raw rows are not committed) already finished."""
+    import pandas as pd
+
+    rows: dict[str, dict[str, Any]] = {}
+    for path in sorted(results_dir.glob(f"*/runs/{run_id}.parquet")):
+        frame = pd.read_parquet(path)
+        for record in frame.to_dict("records"):
+            row = {k: None if v is pd.NA or v is None or v != v else v for k, v in record.items()}  # v != v: NaN
+            rows[row_key(str(row["cell_id"]), row.get("repeat"))] = row
     return rows
 
 

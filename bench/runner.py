@@ -20,6 +20,7 @@ import datetime as dt
 import fnmatch
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
 
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
+RANK_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")  # torchrun's report of a rank killed so
 LOG_TAIL_LINES = 15
 
 
@@ -63,7 +65,13 @@ class Progress(Protocol):
 def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Runs every cell of the plan not yet finished; returns the run's rows (cell_id -> row)."""
     raw_dir = opts.results_dir / "raw" / opts.run_id
-    rows = results.read_raw(raw_dir)
+    with results.run_lock(raw_dir):
+        rows = {**results.published_rows(opts.results_dir, opts.run_id), **results.read_raw(raw_dir)}
+        return _run(planned, rows, raw_dir, opts, provenance, progress)
+
+
+def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: Path, opts: RunOptions,
+         provenance: dict[str, Any], progress: Progress) -> dict[str, Any]:
     oom_batch = _oom_batches(planned, rows)
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
     progress.start(len(todo))
@@ -194,8 +202,18 @@ def _discard(worker: Worker | None) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """The worker, its process group, and every descendant: torchrun's ranks run in groups of their own."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
     proc.wait()
 
 
@@ -222,23 +240,33 @@ def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_d
     worker.log.close()
     wall_s = time.monotonic() - started
     (raw_dir / f".{cell.row_key}.request.json").unlink(missing_ok=True)
+    row = _row_of(worker, base, out, timed_out)
+    if cell.gpus > 1 and row["status"] == "error" and RANK_SIGKILLED.search(_log_tail(worker, 200)):
+        row = row | {"status": "host_oom", "error": "a rank was killed by SIGKILL: most likely the kernel's OOM "
+                                                    f"killer, out of host RAM\n{row['error']}"}
+    return spare, row | {"wall_s": wall_s}
+
+
+def _row_of(worker: Worker, base: dict[str, Any], out: Path, timed_out: bool) -> dict[str, Any]:
+    """The cell's row from what its worker (or its ranks) wrote, or from how the process ended."""
+    cell, proc = worker.cell, worker.proc
     rank_rows = _rank_rows(out, cell.gpus) if cell.gpus > 1 else {}
     if rank_rows:
         row = ranks.merge(base, rank_rows, cell.gpus)  # every rank's row: ok, even if one then hung exiting
         if timed_out and row["status"] == "error":  # no rank failed: the missing ones were still running
             row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n{row['error']}"}
-    elif out.exists():  # the worker's own measurements win, even if it hung while exiting
+        return row
+    if out.exists():  # the worker's own measurements win, even if it hung while exiting
         row = base | json.loads(out.read_text())
         out.unlink()
-    elif timed_out:
-        row = base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n" + _log_tail(worker)}
-    elif proc.returncode in HOST_OOM_CODES:
-        row = base | {"status": "host_oom",
-                      "error": f"worker killed by SIGKILL (exit {proc.returncode}): most likely the kernel's "
-                               f"OOM killer, out of host RAM\n" + _log_tail(worker)}
-    else:
-        row = base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
-    return spare, row | {"wall_s": wall_s}
+        return row
+    if timed_out:
+        return base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n" + _log_tail(worker)}
+    if proc.returncode in HOST_OOM_CODES:
+        return base | {"status": "host_oom",
+                       "error": f"worker killed by SIGKILL (exit {proc.returncode}): most likely the kernel's "
+                                f"OOM killer, out of host RAM\n" + _log_tail(worker)}
+    return base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
 
 
 def _rank_rows(out: Path, world: int) -> dict[int, dict[str, Any]]:
@@ -252,9 +280,9 @@ def _rank_rows(out: Path, world: int) -> dict[int, dict[str, Any]]:
     return found
 
 
-def _log_tail(worker: Worker) -> str:
-    lines = Path(worker.log.name).read_text(errors="replace").strip().splitlines()
-    return "\n".join(lines[-LOG_TAIL_LINES:])
+def _log_tail(worker: Worker, lines: int = LOG_TAIL_LINES) -> str:
+    text = Path(worker.log.name).read_text(errors="replace").strip().splitlines()
+    return "\n".join(text[-lines:])
 
 
 def summarize(rows: dict[str, dict[str, Any]], planned: list[PlannedCell]) -> Counter:

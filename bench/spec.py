@@ -26,6 +26,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,34 @@ _EXCLUDE_KEYS = {"model", "seq_len", "batch_size", "stack", "gpus"}
 
 class SpecError(ValueError):
     pass
+
+
+# Names that become file and directory names (matrices, run ids): no path separators, no leading dot.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_name(name: str, what: str) -> str:
+    """`name` if it is safe as one path component, else a SpecError naming it."""
+    if not SAFE_NAME.match(name) or ".." in name:
+        raise SpecError(f"{what} {name!r}: use letters, digits, '.', '_' and '-' (no '/', no leading '.', no '..')")
+    return name
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last)."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
 @dataclass(frozen=True)
@@ -74,7 +104,7 @@ class MatrixSpec:
 def load(path: str | Path) -> dict[str, MatrixSpec]:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML: {err}") from None
     where = path.name
@@ -86,7 +116,7 @@ def load(path: str | Path) -> dict[str, MatrixSpec]:
     matrices = raw.get("matrices")
     _mapping(matrices, f"{where}: matrices")
     return {
-        name: _matrix(str(name), {**defaults, **(body or {})}, f"{where}: matrices.{name}")
+        str(name): _matrix(safe_name(str(name), f"{where}: matrix"), {**defaults, **(body or {})}, f"{where}: matrices.{name}")
         for name, body in matrices.items()
     }
 
@@ -113,7 +143,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
     _mapping(steps, f"{where}.steps")
     _no_unknown_keys(steps, {"warmup", "measure"}, f"{where}.steps")
     stacks = tuple(_stack(s, f"{where}.stacks[{i}]") for i, s in enumerate(_list(body, "stacks", where)))
-    return MatrixSpec(
+    spec = MatrixSpec(
         name=name,
         description=str(body.get("description", "")),
         device=device,
@@ -132,6 +162,19 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         checkpoint=_choice(body.get("checkpoint", "none"), CHECKPOINTS, f"{where}.checkpoint"),
         gpus=_positive_ints(body, "gpus", where) if "gpus" in body else (1,),
     )
+    for i, rule in enumerate(spec.exclude):
+        _excludes_something(spec, dict(rule), f"{where}.exclude[{i}]")
+    return spec
+
+
+def _excludes_something(spec: MatrixSpec, rule: dict[str, Any], where: str) -> None:
+    """An exclude rule must name values the matrix has: a typo would silently exclude nothing."""
+    axes = {"model": spec.models, "seq_len": spec.seq_lens, "batch_size": spec.batch_sizes,
+            "stack": tuple(s.label for s in spec.stacks), "gpus": spec.gpus}
+    for key, value in rule.items():
+        if value not in axes[key]:
+            raise SpecError(f"{where}.{key}: {value!r} is not one of this matrix's {key} values "
+                            f"({', '.join(map(str, axes[key]))}): the rule would exclude nothing")
 
 
 def _ladder(rungs: Any, stacks: tuple[Stack, ...], where: str) -> tuple[str, ...]:
@@ -209,8 +252,8 @@ def _int(value: Any, where: str, minimum: int) -> int:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise SpecError(f"{where}: expected a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise SpecError(f"{where}: expected a positive finite number, got {value!r}")
     return float(value)
 
 

@@ -101,7 +101,11 @@ def _parse_options(name: str, args: str) -> dict[str, Any]:
         key, sep, raw = part.partition("=")
         if not sep or not key.strip():
             raise StackError(f"{name}: option {part!r} must be written key=value")
-        options[key.strip()] = yaml.safe_load(raw.strip())
+        try:
+            options[key.strip()] = yaml.safe_load(raw.strip())
+        except yaml.YAMLError:
+            raise StackError(f"{name}: option {key.strip()}={raw.strip()!r} is not a value (a number, true/false "
+                             "or a name)") from None
     return options
 
 
@@ -117,6 +121,21 @@ def _check_option(technique: Technique, key: str, value: Any) -> None:
     allowed = technique.choices.get(key)
     if allowed is not None and value not in allowed:
         raise StackError(f"{name}: option {key}={value!r} is not one of {', '.join(map(str, allowed))}")
+    interval = technique.ranges.get(key)
+    if interval is not None and not in_range(value, interval):
+        raise StackError(f"{name}: option {key}={value!r} is outside {interval}")
+
+
+def in_range(value: float, interval: str) -> bool:
+    """Whether value lies in an interval written as in mathematics: "[1, inf)", "[0, 1)", "(0, 1]"."""
+    match = re.match(r"^([\[(])\s*(-?inf|[-\d.e]+)\s*,\s*(-?inf|[-\d.e]+)\s*([\])])$", interval)
+    if not match:
+        raise ValueError(f"not an interval: {interval!r}")
+    opening, low, high, closing = match.groups()
+    lo, hi = float(low), float(high)
+    above = value >= lo if opening == "[" else value > lo
+    below = value <= hi if closing == "]" else value < hi
+    return above and below
 
 
 def _check_rules(stack: Stack) -> None:

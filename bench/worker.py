@@ -35,6 +35,7 @@ from .engines import Engine
 from .measure import GIB
 
 OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
+HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory",)  # host RAM exhausted (CPU cells, offload)
 
 
 def main() -> None:
@@ -75,9 +76,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         out.update(_train(cell, tracker, out))
         out["status"] = "ok"
     except Exception as err:  # every failure becomes the row's status, never a lost cell
-        is_oom = isinstance(err, torch.OutOfMemoryError) or any(m in str(err) for m in OOM_MARKERS)
-        out.update(status="oom" if is_oom else "error", error=_tail(err))
-        if is_oom:
+        out.update(status=_status_of(err), error=_tail(err))
+        if out["status"] != "error":
             out["oom_phase"] = tracker.where
     tracker.close()
     out.update(tracker.summary())
@@ -88,6 +88,18 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         out["nvml_peak_gib"] = sampler.stop()
     out["host_rss_peak_gib"] = measure.host_rss_peak_gib()
     return out
+
+
+def _status_of(err: Exception) -> str:
+    """oom: the GPU ran out (torch's OutOfMemoryError, or CUDA's message through another library);
+    host_oom: host RAM could not be allocated; else error."""
+    import torch
+
+    if any(m in str(err) for m in HOST_OOM_MARKERS):
+        return "host_oom"
+    if isinstance(err, torch.OutOfMemoryError) or any(m in str(err) for m in OOM_MARKERS):
+        return "oom"
+    return "error"
 
 
 def _cap_allocator(budget_gib: float, sampler: measure.NvmlSampler | None) -> float:

@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_matrix_benchmark_module_on_a_tiny_cell(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

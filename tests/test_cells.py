@@ -91,11 +91,19 @@ def test_gpu_only_matrix_says_so_and_points_to_runnable_ones(capsys: pytest.Capt
     assert "needs a CUDA GPU" in err and "MATRIX=smoke" in err
 
 
-def test_list_prints_every_cell_with_its_skip_reason(capsys: pytest.CaptureFixture) -> None:
+def test_list_prints_runnable_cells_and_groups_the_skipped_by_reason(capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
     assert cli.main(["list", "llama3b"]) == 0
     out = capsys.readouterr().out
-    assert "llama-3.2-3b_s4096_b8_gc+lora_" in out
-    assert out.count("\n  ") == 3 * 4 * len(spec.get(REPO_MATRIX, "llama3b").stacks)
+    total = 3 * 4 * len(spec.get(REPO_MATRIX, "llama3b").stacks)
+    assert f"  skip  {total} cells, e.g. llama-3.2-3b_s1024_b1_baseline_" in out and "(needs a CUDA GPU" in out
+    assert out.count("\n  ") == 1
+    assert cli.main(["list", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n  run   ") == 30
 
 
 def test_a_cell_survives_the_handoff_to_its_worker() -> None:

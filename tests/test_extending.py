@@ -85,6 +85,7 @@ def _bench(root: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_technique_added_as_one_file_is_found_validated_and_applied(tmp_path: Path) -> None:
     root = _suite_copy(tmp_path)

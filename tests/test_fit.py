@@ -64,6 +64,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fit_end_to_end_with_a_simulated_memory_limit(workdir) -> None:
     """Real probe processes; the `fault` technique OOMs above 160 tokens, standing in for a budget."""

@@ -45,6 +45,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     """Two gloo ranks at batch 1 train on the tokens of one process at batch 2: FSDP2 (exact)
@@ -85,6 +86,7 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     assert failed["oom_phase"] == "first_step/forward"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_full_checkpoint_is_sharded_on_two_ranks(workdir: Path) -> None:
     write_matrix(workdir, FSDP)
@@ -99,6 +101,7 @@ def test_fsdp_full_checkpoint_is_sharded_on_two_ranks(workdir: Path) -> None:
     assert 0.5 * 3 * 2 * params / 2**30 <= row["checkpoint_disk_gib"] < 3 * 3 * 2 * params / 2**30
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hung_torchrun_cell_times_out_and_leaves_no_rank_running(workdir: Path) -> None:
     import subprocess

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, bench_args, raw_rows, run_bench, write_matrix
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # real worker processes, tens of seconds each
 
 TINY = """
 matrices:

@@ -40,12 +40,38 @@ def test_the_shipped_matrix_file_loads() -> None:
     ("stacks: [baseline, gc + lora(r=8)]", "stacks: [baseline, gc + lorra]", "lora"),
     ("stacks: [baseline, gc + lora(r=8)]", "stacks: [lora(rank=8)]", "rank"),
     ("stacks: [baseline, gc + lora(r=8)]", "stacks: [lora(r=eight)]", "r"),
+    ("device: cpu", "device: cpu\n    timeout_s: .nan", "matrices.m.timeout_s: expected a positive finite number, got nan"),
+    ("device: cpu", "device: cpu\n    timeout_s: .inf", "matrices.m.timeout_s: expected a positive finite number, got inf"),
+    ("device: cpu", "device: cpu\n    device: cuda", "key 'device' is given twice"),
+    ("device: cpu", "device: cpu\n    exclude: [{model: tiny-lama}]",
+     "matrices.m.exclude[0].model: 'tiny-lama' is not one of this matrix's model values (tiny-llama): the rule would "
+     "exclude nothing"),
+    ("device: cpu", "device: cpu\n    exclude: [{stack: mixed}]", "matrices.m.exclude[0].stack: 'mixed' is not one of"),
+    ("device: cpu", "device: cpu\n    exclude: [{batch_size: '1'}]", "matrices.m.exclude[0].batch_size: '1' is not one of"),
+    ("  m:", "  ../../../x:", "matrix '../../../x': use letters, digits"),
+    ("  m:", "  .hidden:", "matrix '.hidden': use letters, digits"),
 ])
 def test_bad_matrix_names_the_problem(tmp_path: Path, bad: str, good: str, message: str) -> None:
     path = write_matrix(tmp_path, GOOD.replace(bad, good))
     with pytest.raises((spec.SpecError, StackError)) as err:
         spec.get(path, "m")
     assert message in str(err.value)
+
+
+def test_every_numeric_option_declares_its_range() -> None:
+    from bench.techniques import REGISTRY
+
+    for technique in REGISTRY.values():
+        for option, default in technique.options.items():
+            if isinstance(default, int | float) and not isinstance(default, bool):
+                assert option in technique.ranges, f"{technique.name}.{option} declares no range"
+                assert spec_in_range(default, technique.ranges[option]), f"{technique.name}.{option}: default outside"
+
+
+def spec_in_range(value: float, interval: str) -> bool:
+    from bench.stacks import in_range
+
+    return in_range(value, interval)
 
 
 def test_unknown_technique_suggests_the_closest_name() -> None:
@@ -64,8 +90,14 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("fsdp + qlora", "fsdp cannot be combined with qlora"),
     ("fsdp(precision=fp8)", "fsdp: option precision='fp8' is not one of pure, mixed"),
     ("padding + packing", "both set the data"),
-    ("packing(min_doc_frac=1.5)", "packing(min_doc_frac=1.5): min_doc_frac must be in (0, 1]"),
-    ("grad_accum(steps=1)", "grad_accum(steps=1): steps must be at least 2"),
+    ("packing(min_doc_frac=1.5)", "packing: option min_doc_frac=1.5 is outside (0, 1]"),
+    ("grad_accum(steps=1)", "grad_accum: option steps=1 is outside [2, inf)"),
+    ("lora(r=-4)", "lora: option r=-4 is outside [1, inf)"),
+    ("lora(r=0)", "lora: option r=0 is outside [1, inf)"),
+    ("lora(dropout=1.5)", "lora: option dropout=1.5 is outside [0, 1)"),
+    ("qlora(dropout=1.0)", "qlora: option dropout=1.0 is outside [0, 1)"),
+    ("lora(r=[)", "lora: option r='[' is not a value"),
+    ("lora(r=!!python/object/apply:os.system [echo])", "lora: option r='!!python/object/apply:os.system [echo]' is not a value"),
     ("zero3 + offload(optimizer=false)", "offloads nothing"),
     ("zero2 + zero3", "both set the engine"),
     ("zero2 + mixed", "zero2 cannot be combined with mixed"),

@@ -37,6 +37,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_catalogue_on_cpu(workdir: Path) -> None:
     pytest.importorskip("bitsandbytes")
@@ -77,6 +78,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_deepspeed_zero_on_cpu_with_gloo(workdir: Path) -> None:
     """Real DeepSpeed ZeRO-2/3 engines, world size 1 on gloo: they run, say what they are, and start
@@ -116,6 +118,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quantized_bases_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bitsandbytes' CPU backend: a real NF4 / int8 base loaded from a cached random checkpoint,
@@ -165,6 +168,7 @@ matrices:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_checkpoint_save_is_measured(workdir: Path) -> None:
     """Real saves after the last step: model-only vs full state, plain torch and DeepSpeed (ZeRO-3

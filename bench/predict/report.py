@@ -31,8 +31,11 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
     frames = [results.read_parquet(p) for p in sorted(results_dir.glob(pattern))]
     if not frames:
         return results.to_frame([])
-    frame = by_cell(pd.concat(frames, ignore_index=True))
-    return frame[(frame["device"] == "cuda") & (frame["status"] == "ok")].drop_duplicates("cell_id", keep="last")
+    runs = pd.concat(frames, ignore_index=True)
+    gpu_runs = runs[runs["device"] == "cuda"].groupby("cell_id")["run_id"].agg(lambda ids: ", ".join(sorted(set(ids))))
+    frame = by_cell(runs)
+    frame = frame[(frame["device"] == "cuda") & (frame["status"] == "ok")].drop_duplicates("cell_id", keep="last")
+    return frame.assign(run_id=frame["cell_id"].map(gpu_runs))  # every run that measured the cell
 
 
 def pairs(measured: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
@@ -79,7 +82,7 @@ def _sources(both: pd.DataFrame) -> list[str]:
         return []
 
     def distinct(col: str) -> str:
-        return ", ".join(sorted({str(v) for v in both[col].dropna()}))
+        return ", ".join(sorted({part for v in both[col].dropna() for part in str(v).split(", ")}))
 
     commits = ", ".join(sorted({str(s)[:7] for s in both["git_sha_predicted"].dropna()}))
     return [f"- Measured: {distinct('gpu_name')}; torch {distinct('torch_version')}, transformers "

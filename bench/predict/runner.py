@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import fnmatch
 import json
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -25,7 +24,7 @@ from typing import Any
 from .. import cells, results
 from ..cells import Cell, PlannedCell
 from ..envinfo import OPTIONAL_PACKAGES, HostCaps
-from ..spec import MatrixSpec, SpecError
+from ..spec import MatrixSpec
 from . import gpus
 
 METHOD = "fake-run/1"  # bump when what a prediction counts changes
@@ -45,18 +44,20 @@ def plan(matrix: MatrixSpec, only: str | None) -> list[PlannedCell]:
     """The matrix's cells as a GPU host would plan them (same ids), filtered by `only` globs."""
     on_gpu = dataclasses.replace(matrix, device="cuda")
     host = HostCaps(cuda_devices=max(matrix.gpus), packages=frozenset(OPTIONAL_PACKAGES))
-    planned = [pc for pc in cells.plan(on_gpu, host)
-               if not only or any(fnmatch.fnmatch(pc.cell.cell_id, g) for g in only.split(","))]
-    if not planned:
-        raise SpecError(f"--only {only!r} matches no cell of matrix {matrix.name!r} (`python -m bench list {matrix.name}`)")
-    return planned
+    return cells.matching(cells.plan(on_gpu, host), only, matrix.name)
 
 
 def run(planned: list[PlannedCell], opts: PredictOptions, provenance: dict[str, Any],
         report: Callable[[Cell, dict[str, Any]], None]) -> list[dict[str, Any]]:
     """Predicts every planned cell not yet in the run; returns the run's rows of these cells."""
     raw_dir = opts.results_dir / "raw" / opts.run_id
-    rows = results.read_raw(raw_dir)
+    with results.run_lock(raw_dir):
+        rows = results.read_raw(raw_dir, results.PREDICTED)
+        return _run(planned, rows, raw_dir, opts, provenance, report)
+
+
+def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: Path, opts: PredictOptions,
+         provenance: dict[str, Any], report: Callable[[Cell, dict[str, Any]], None]) -> list[dict[str, Any]]:
     todo = [pc for pc in planned if opts.redo or pc.cell.cell_id not in rows]
     runnable = [pc.cell for pc in todo if pc.skip_reason is None]
     for pc in todo:

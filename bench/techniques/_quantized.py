@@ -51,6 +51,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         slot="base",
         options={**LORA_OPTIONS, **extra_options, "prepare_kbit": False},
         choices=dict(lora.TECHNIQUE.choices),
+        ranges=dict(lora.TECHNIQUE.ranges),
         packages=("bitsandbytes", "peft"),
         not_predicted="a bitsandbytes-quantized base is loaded from a real checkpoint: not simulated yet",
         # qlora brings its own adapters; its base dtype is fixed; ZeRO-3 would partition packed

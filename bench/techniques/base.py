@@ -55,6 +55,7 @@ class Technique:
     phase: Phase
     options: Mapping[str, Any] = field(default_factory=dict)  # name -> default (its type is the option's type)
     choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # allowed values per option
+    ranges: Mapping[str, str] = field(default_factory=dict)  # numeric options' intervals, e.g. {"r": "[1, inf)"}
     slot: str | None = None  # at most one technique per slot in a stack (one precision, one optimizer)
     requires_cuda: bool = False
     packages: tuple[str, ...] = ()  # import names that must be installed

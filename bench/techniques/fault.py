@@ -30,6 +30,8 @@ def _fail(mode: str) -> None:
         os._exit(137)
     if mode == "sigkill":  # what the kernel's OOM killer does
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "alloc":  # a real host allocation no machine can satisfy (1 PiB)
+        torch.empty(2**50, dtype=torch.uint8)
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
@@ -48,10 +50,11 @@ def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
 
 TECHNIQUE = Technique(
     name="fault",
-    summary="test only: fails the first forward (raise | oom | hang | exit137 | sigkill)",
+    summary="test only: fails the first forward (raise | oom | hang | exit137 | sigkill | alloc)",
     phase=Phase.PATCH,
     options={"mode": "raise", "over_tokens": 0, "only_rank": -1},
-    choices={"mode": ("raise", "oom", "hang", "exit137", "sigkill")},
+    choices={"mode": ("raise", "oom", "hang", "exit137", "sigkill", "alloc")},
+    ranges={"over_tokens": "[0, inf)", "only_rank": "[-1, inf)"},
     test_only=True,
     not_predicted="fault injection for the runner's tests",
     apply=_apply,

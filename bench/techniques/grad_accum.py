@@ -22,10 +22,6 @@ def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
     return replace(setup, micro_batches=opts["steps"])
 
 
-def _validate(names: frozenset[str], opts: Options) -> str | None:
-    return None if opts["steps"] >= 2 else "steps must be at least 2"
-
-
 def _check_cell(cell: Cell, opts: Options) -> str | None:
     if cell.batch_size % opts["steps"]:
         return f"batch {cell.batch_size} does not split into {opts['steps']} equal micro-batches"
@@ -39,6 +35,6 @@ TECHNIQUE = Technique(
     options={"steps": 2},
     conflicts=("zero2", "zero3"),
     configure=_configure,
-    validate=_validate,
+    ranges={"steps": "[2, inf)"},
     check_cell=_check_cell,
 )

@@ -40,6 +40,7 @@ TECHNIQUE = Technique(
     phase=Phase.WRAP,
     options={"r": 16, "alpha": 32, "dropout": 0.0, "targets": "all-linear", "adapter_dtype": "fp32"},
     choices={"adapter_dtype": ("fp32", "bf16")},
+    ranges={"r": "[1, inf)", "alpha": "(0, inf)", "dropout": "[0, 1)"},
     packages=("peft",),
     apply=_apply,
 )

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .base import Options, Phase, Technique, TrainSetup
-from .padding import _validate
 
 
 def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
@@ -26,6 +25,6 @@ TECHNIQUE = Technique(
     phase=Phase.DATA,
     slot="data",
     options={"min_doc_frac": 0.1},
-    validate=_validate,
+    ranges={"min_doc_frac": "(0, 1]"},
     configure=_configure,
 )

@@ -18,16 +18,12 @@ def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
     return replace(setup, data="pad", min_doc_frac=opts["min_doc_frac"])
 
 
-def _validate(names: frozenset[str], opts: Options) -> str | None:
-    return None if 0 < opts["min_doc_frac"] <= 1 else "min_doc_frac must be in (0, 1]"
-
-
 TECHNIQUE = Technique(
     name="padding",
     summary="variable-length documents padded to seq_len: padding costs time and memory like real tokens",
     phase=Phase.DATA,
     slot="data",
     options={"min_doc_frac": 0.1},
-    validate=_validate,
+    ranges={"min_doc_frac": "(0, 1]"},
     configure=_configure,
 )

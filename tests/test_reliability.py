@@ -1,0 +1,169 @@
+"""What an adversary found: paths out of results/, two runners, broken raw files, a new machine's
+resume, bad input that ran, faults with the wrong status. Each case as a user meets it, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import REPO, bench_args, raw_rows, run_bench, write_matrix
+
+pytestmark = pytest.mark.timeout(600)
+
+TINY = """
+matrices:
+  t:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1, 2]
+    stacks: [baseline]
+    steps: {warmup: 1, measure: 2}
+    timeout_s: 60
+  hang:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1]
+    stacks: ["fault(mode=hang)"]
+    steps: {warmup: 1, measure: 1}
+    timeout_s: 60
+  faults:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [32]
+    batch_sizes: [1]
+    gpus: [1, 2]
+    stacks: ["fault(mode=alloc)", "fsdp + fault(mode=sigkill, only_rank=1)"]
+    exclude: [{gpus: 2, stack: "fault(mode=alloc)"}, {gpus: 1, stack: "fsdp + fault(mode=sigkill, only_rank=1)"}]
+    steps: {warmup: 1, measure: 1}
+    timeout_s: 120
+"""
+
+
+def test_names_that_would_write_outside_results_are_refused(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    for args in (("run", "t", "--run-id", "../../../x"), ("run", "t", "--run-id", "sub/dir"),
+                 ("report", "t", "--run-id", "../x"), ("predict", "t", "--run-id", ".hidden")):
+        proc = run_bench(workdir, *args)
+        assert proc.returncode == 2 and "run id" in proc.stderr, (args, proc.stderr)
+    assert sorted(p.name for p in workdir.iterdir()) == ["matrix.yaml", "results"]
+    assert not list((workdir / "results").iterdir())
+
+
+@pytest.mark.slow
+def test_a_second_runner_on_the_same_run_id_is_refused(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    first = subprocess.Popen(bench_args(workdir, "run", "hang", "--run-id", "h"), cwd=REPO, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock = workdir / "results" / "raw" / "h" / ".lock"
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = run_bench(workdir, "run", "hang", "--run-id", "h")
+        assert second.returncode == 2
+        assert f"run h is being run by another process (pid {first.pid})" in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    again = run_bench(workdir, "run", "t", "--run-id", "h2")  # the lock dies with its holder: other runs go on
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.slow
+def test_stray_and_broken_raw_files_cost_only_their_cells(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    assert run_bench(workdir, "run", "t", "--run-id", "r").returncode == 0
+    raw = workdir / "results" / "raw" / "r"
+    b1, b2 = sorted(p for p in raw.glob("*.json"))
+    kept = b1.read_bytes()
+    b2.write_text(b2.read_text()[:100])  # truncated (a full disk)
+    (raw / ".tmp-abc.json").write_text("")  # an interrupted atomic write
+    (raw / f".{b1.stem}.request.json").write_text("{}")  # a torchrun request left by a kill
+    (raw / f".{b1.stem}.worker.json").write_text('{"status": "ok"}')  # a worker's measurements, never collected
+    (raw / "garbage.json").write_bytes(b"\xff\xfe\x00junk")
+    (raw / "bogus.json").write_text(json.dumps({"cell_id": "x", "status": "bogus"}))
+
+    proc = run_bench(workdir, "run", "t", "--run-id", "r")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in (b2.name, "garbage.json", "bogus.json"):
+        assert f"{name} is not a result row" in proc.stderr and (raw / "broken" / name).exists()
+    assert b1.read_bytes() == kept  # untouched, not re-run
+    rows = raw_rows(workdir, "r")
+    assert sorted(r["status"] for r in rows.values()) == ["ok", "ok"]  # the truncated cell ran again
+    assert "done: 2 ok" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_published_run_resumes_on_a_machine_without_its_raw_rows(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    assert run_bench(workdir, "run", "t", "--run-id", "pub", "--only", "*_b1_*").returncode == 0
+    parquet = workdir / "results" / "t" / "runs" / "pub.parquet"
+    first = pd.read_parquet(parquet)
+    for path in (workdir / "results" / "raw").rglob("*"):  # a fresh clone has no raw rows
+        if path.is_file():
+            path.unlink()
+    proc = run_bench(workdir, "run", "t", "--run-id", "pub")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = pd.read_parquet(parquet).set_index("cell_id")
+    assert len(table) == 2 and (table["status"] == "ok").all()
+    kept = first.iloc[0]
+    assert table.loc[kept["cell_id"], "started_at"] == kept["started_at"]  # not run again
+    assert len(list((workdir / "results" / "raw" / "pub").glob("*.json"))) == 1  # only the new cell ran
+
+
+@pytest.mark.slow
+def test_bad_command_lines_exit_2_and_write_nothing(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    proc = run_bench(workdir, "run", "t", "--run-id", "n", "--only", "nomatch*")
+    assert proc.returncode == 2 and "--only 'nomatch*' matches no cell of matrix 't'" in proc.stderr
+    assert not (workdir / "results" / "t").exists()
+    write_matrix(workdir, TINY + "  other: {device: cpu, models: [tiny-qwen2], seq_lens: [32], batch_sizes: [1], "
+                                 "stacks: [baseline], steps: {warmup: 1, measure: 2}}\n")
+    assert run_bench(workdir, "run", "t", "--run-id", "a", "--only", "*_b1_*").returncode == 0
+    assert run_bench(workdir, "run", "other", "--run-id", "b").returncode == 0
+    unrelated = run_bench(workdir, "compare", "a", "b")
+    assert unrelated.returncode == 2 and "have no cell in common" in unrelated.stderr
+
+
+@pytest.mark.slow
+def test_host_memory_failures_are_host_oom_on_one_rank_and_under_torchrun(workdir: Path) -> None:
+    """A CPU allocation that fails, and a rank the OOM killer's SIGKILL ends: host RAM, not 'error'."""
+    write_matrix(workdir, TINY)
+    proc = run_bench(workdir, "run", "faults", "--run-id", "f")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["gpus"]: r for r in raw_rows(workdir, "f").values() if r["status"] != "skipped"}
+    assert rows[1]["status"] == "host_oom" and "can't allocate memory" in rows[1]["error"]
+    assert rows[1]["oom_phase"] == "first_step/forward"
+    assert rows[2]["status"] == "host_oom" and rows[2]["error"].startswith("a rank was killed by SIGKILL")
+
+
+@pytest.mark.slow
+def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path) -> None:
+    """Publishing is committing a run's parquet. A user's run then gets its own board and its own
+    run id, even on the day of the published run, and the matrix's LEADERBOARD.md stays as published."""
+    write_matrix(workdir, TINY)
+    first = run_bench(workdir, "run", "t", "--only", "*_b1_*")
+    assert first.returncode == 0, first.stderr
+    (published,) = (workdir / "results" / "t" / "runs").glob("*.parquet")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(workdir)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", str(published)], check=True)
+    subprocess.run([*git, "commit", "-qm", "publish"], check=True)
+    board = workdir / "results" / "t" / "LEADERBOARD.md"
+    before = board.read_text()
+
+    mine = run_bench(workdir, "run", "t")  # both cells, on the same day: it would be the headline run
+    assert mine.returncode == 0, mine.stderr
+    assert f"run {published.stem}-local:" in mine.stdout
+    assert (workdir / "results" / "t" / "runs" / f"{published.stem}-local.md").exists()
+    assert board.read_text() == before
+    assert pd.read_parquet(published)["cell_id"].nunique() == 1  # the published table is untouched
