@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -271,7 +272,8 @@ def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
         budgets = tuple(float(b) for b in args.budgets.split(","))
     except ValueError:
         raise spec.SpecError(f"--budgets: {args.budgets!r} is not a comma list of GiB numbers") from None
-    if min(budgets) <= 0 or args.max_batch < 1 or args.seq_step < 1 or args.max_seq < args.seq_step:
+    if (not all(math.isfinite(b) and b > 0 for b in budgets) or args.max_batch < 1 or args.seq_step < 1
+            or args.max_seq < args.seq_step):
         raise spec.SpecError("--budgets must be positive, --max-batch >= 1, --max-seq >= --seq-step >= 1")
     if matrix.gpus != (1,):
         raise spec.SpecError(f"matrix {matrix.name}: bench fit searches one-GPU cells; remove its gpus: {list(matrix.gpus)}")
@@ -311,6 +313,8 @@ def _gpu_kind(key: str) -> gpus.GpuKind:
 
 def cmd_overhead(args: argparse.Namespace) -> int:
     parquet = args.results_dir / args.matrix / "runs" / f"{args.run_id}.parquet"
+    if not parquet.exists():
+        raise spec.SpecError(f"no run {args.run_id!r} of matrix {args.matrix!r}: {parquet} does not exist")
     frame = results.read_parquet(parquet)
     rows = overhead.compare_with_bare_loop(frame, args.only)
     if not rows:

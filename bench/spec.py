@@ -156,7 +156,7 @@ def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
         timeout_s=_number(body.get("timeout_s", 900), f"{where}.timeout_s"),
         seed=_int(body.get("seed", 0), f"{where}.seed", minimum=0),
         prune_after_oom=_bool(body.get("prune_after_oom", True), f"{where}.prune_after_oom"),
-        exclude=tuple(_exclude_rule(r, f"{where}.exclude[{i}]") for i, r in enumerate(body.get("exclude") or [])),
+        exclude=tuple(_exclude_rule(r, f"{where}.exclude[{i}]") for i, r in enumerate(_optional_list(body, "exclude", where))),
         ladder=_ladder(body.get("ladder") or [], stacks, f"{where}.ladder"),
         repeats=_int(body.get("repeats", 1), f"{where}.repeats", minimum=1),
         checkpoint=_choice(body.get("checkpoint", "none"), CHECKPOINTS, f"{where}.checkpoint"),
@@ -238,6 +238,13 @@ def _list(body: dict[str, Any], key: str, where: str) -> list[Any]:
     value = body[key]
     if not isinstance(value, list) or not value:
         raise SpecError(f"{where}.{key}: expected a non-empty list, got {value!r}")
+    return value
+
+
+def _optional_list(body: dict[str, Any], key: str, where: str) -> list[Any]:
+    value = body.get(key) or []
+    if not isinstance(value, list):
+        raise SpecError(f"{where}.{key}: expected a list, got {value!r}")
     return value
 
 

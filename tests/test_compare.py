@@ -91,3 +91,21 @@ def test_versions_that_differ_are_flagged(tmp_path: Path, base: pd.DataFrame) ->
 def test_unknown_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["--results-dir", str(tmp_path), "compare", "no-such-run", "other"]) == 2
     assert "no-such-run" in capsys.readouterr().err
+
+
+def test_two_predictions_are_gated_on_their_predicted_peak_allocated(tmp_path: Path) -> None:
+    """The CPU gate: the committed regress prediction against a copy whose one cell grew by 5%."""
+    from bench import results
+
+    published = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
+    rows = results.read_parquet(published, results.PREDICTED).to_dict("records")
+    grown = [dict(r) for r in rows]
+    cell = next(r for r in grown if r["stack"] == "gc + lora")
+    cell["peak_allocated_gib"] *= 1.05
+    results.write_parquet(grown, tmp_path / "cand.parquet", results.PREDICTED)
+    out = tmp_path / "report.md"
+    assert cli.main(["compare", str(published), str(tmp_path / "cand.parquet"), "--out", str(out)]) == 1
+    report = out.read_text()
+    assert report.startswith("# Regression check (predictions: no GPU ran): FAIL")
+    assert f"| `{cell['cell_id']}` | regression |" in report and "+5.0%" in report
+    assert cli.main(["compare", str(published), str(published)]) == 0
