@@ -66,7 +66,10 @@ def run(planned: list[PlannedCell], opts: RunOptions, provenance: dict[str, Any]
     """Runs every cell of the plan not yet finished; returns the run's rows (cell_id -> row)."""
     raw_dir = opts.results_dir / "raw" / opts.run_id
     with results.run_lock(raw_dir):
-        rows = {**results.published_rows(opts.results_dir, opts.run_id), **results.read_raw(raw_dir)}
+        raw = results.read_raw(raw_dir)
+        broken = {path.stem for path in (raw_dir / "broken").glob("*.json")}  # set aside: those cells run again
+        published = {k: r for k, r in results.published_rows(opts.results_dir, opts.run_id).items() if k not in broken}
+        rows = {**published, **raw}
         return _run(planned, rows, raw_dir, opts, provenance, progress)
 
 
