@@ -160,3 +160,19 @@ def test_gradient_sums_are_counted_in_place_where_a_plain_run_adds_in_place(dtyp
     counted = [in_place for nbytes, in_place in counter.sums if nbytes == -(-vocab_bytes // BLOCK_BYTES) * BLOCK_BYTES]
     assert plain == ["aten::add_" if autocast else "aten::add"]
     assert counted == [autocast]
+
+
+def test_a_prediction_keeps_nothing_alive_after_it() -> None:
+    """Many cells run in one process: a cell's fake model, optimizer and trace must go with it
+    (each storage's finalizer reaches the counter; a counter holding the model kept them all)."""
+    import gc
+    import weakref
+
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("gc + lora"))
+    fake.predict_cell(cell, gpus.get("h100"))
+    gc.collect()
+    after_one = len(weakref.finalize._registry)  # type: ignore[attr-defined]
+    for _ in range(2):
+        fake.predict_cell(cell, gpus.get("h100"))
+    gc.collect()
+    assert len(weakref.finalize._registry) == after_one  # type: ignore[attr-defined]

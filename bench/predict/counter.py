@@ -224,6 +224,9 @@ class MemoryCounter(TorchDispatchMode):
         if self.where.endswith("/optimizer"):
             self._mark(self.after_step(), "optimizer_state")
         self.where = "done"
+        # Let go of the model and optimizer: the finalizers (held globally) reach this counter, so a
+        # counter that kept them would keep every cell's tensors alive for the process's life.
+        self.on_optimizer = self.after_step = tuple
 
     def _mark(self, tensors: Iterable[Any], role: str) -> None:
         for tensor in tensors:
