@@ -83,3 +83,19 @@ def test_tables_of_an_older_schema_stay_readable(tmp_path: Path) -> None:
     # Columns of schema 5, derived for rows that predate it: one rank, full rows, every token useful.
     row = frame.iloc[0]
     assert row["gpus"] == 1 and row["useful_tokens_per_s"] == row["tokens_per_s_per_gpu"] == 1000.0
+
+
+def test_boards_state_coverage_spread_and_noise() -> None:
+    """The published smoke run (CPU, noisy step times): the board says how much of the plan it covers
+    and which stacks are missing, shows a noisy cell's CV, and calls no noise-sized change a finding."""
+    from bench import report
+
+    published = Path(__file__).resolve().parents[1] / "results" / "smoke" / "runs" / "smoke-cpu-20261122.parquet"
+    frame = results.read_parquet(published)
+    stacks = (*sorted(set(frame["stack"])), "gc + liger")
+    board = report.leaderboard(frame, "cmd`", plan=report.Plan(36, stacks))
+    assert "- Coverage: 30 of the 36 cells the matrix plans" in board
+    assert "- Stacks not measured yet: `gc + liger`" in board
+    assert "tok/s within noise (±" in board
+    noisy = frame[frame["step_time_cv"] >= report.NOISY_CV]
+    assert len(noisy) == 0 or f"(CV {noisy['step_time_cv'].iloc[0]:.0%})" in board
