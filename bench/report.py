@@ -271,16 +271,25 @@ def publish(parquet: Path, ladder: tuple[str, ...] = (), plan: Plan | None = Non
     matrix_dir = parquet.parent.parent
     predicted = predictions(matrix_dir.parent, matrix_dir.name)
     run_frame = read_parquet(parquet)
-    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame), ladder, predicted=predicted, plan=plan))
+    run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame, plan), ladder, predicted=predicted, plan=plan))
     headline = headline_run(matrix_dir)
     frame = read_parquet(headline)
     plots = write_plots(frame, matrix_dir / "plots")
     board = matrix_dir / "LEADERBOARD.md"
-    board.write_text(leaderboard(frame, reproduce_command(frame), ladder,
+    board.write_text(leaderboard(frame, reproduce_command(frame, plan), ladder,
                                  tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted, plan))
     return run_board, board
 
 
-def reproduce_command(frame: pd.DataFrame) -> str:
+def reproduce_command(frame: pd.DataFrame, plan: Plan | None = None) -> str:
+    """`make bench` for the matrix, and the command of exactly this run: with its repeats, and with
+    its cells named when it covered a few of the plan's (a side run, e.g. repeats of three cells)."""
     matrix, run_id = frame["matrix"].iloc[0], frame["run_id"].iloc[0]
-    return f"make bench MATRIX={matrix}` (this run: `python -m bench run {matrix} --run-id {run_id}`)"
+    extra = ""
+    repeats = int(frame["repeat"].fillna(0).max()) + 1
+    if repeats > 1:
+        extra += f" --repeats {repeats}"
+    ids = sorted(set(frame["cell_id"]))
+    if plan is not None and len(ids) < plan.cells and len(ids) <= 10:
+        extra += f" --only '{','.join(ids)}'"
+    return f"make bench MATRIX={matrix}` (this run: `python -m bench run {matrix} --run-id {run_id}{extra}`)"
