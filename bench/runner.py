@@ -257,19 +257,33 @@ def _row_of(worker: Worker, base: dict[str, Any], out: Path, timed_out: bool) ->
     if rank_rows:
         row = ranks.merge(base, rank_rows, cell.gpus)  # every rank's row: ok, even if one then hung exiting
         if timed_out and row["status"] == "error":  # no rank failed: the missing ones were still running
-            row = row | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n{row['error']}"}
+            row = row | {"status": "timeout",
+                         "error": f"killed after {cell.timeout_s:.0f} s{_held_build_locks()}\n{row['error']}"}
         return row
     if out.exists():  # the worker's own measurements win, even if it hung while exiting
         row = base | json.loads(out.read_text())
         out.unlink()
         return row
     if timed_out:
-        return base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s\n" + _log_tail(worker)}
+        return base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s{_held_build_locks()}\n"
+                                                     + _log_tail(worker)}
     if proc.returncode in HOST_OOM_CODES:
         return base | {"status": "host_oom",
                        "error": f"worker killed by SIGKILL (exit {proc.returncode}): most likely the kernel's "
                                 f"OOM killer, out of host RAM\n" + _log_tail(worker)}
     return base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
+
+
+def _held_build_locks() -> str:
+    """Why a cell may have waited until its timeout: a torch extension build lock (DeepSpeed JIT-builds
+    its ops, e.g. the CPU shm_comm op, under ~/.cache/torch_extensions) left by a build that was killed.
+    Every later build of that op waits on it forever. Said in the row, with the file to delete."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    locks = sorted(root.glob("*/*/lock"))
+    if not locks:
+        return ""
+    return (f"; a torch extension build lock is held ({', '.join(map(str, locks))}): a build killed before it "
+            "finished leaves it, and later builds wait on it; delete it if nothing is building")
 
 
 def _rank_rows(out: Path, world: int) -> dict[int, dict[str, Any]]:

@@ -167,3 +167,21 @@ def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path
     assert (workdir / "results" / "t" / "runs" / f"{published.stem}-local.md").exists()
     assert board.read_text() == before
     assert pd.read_parquet(published)["cell_id"].nunique() == 1  # the published table is untouched
+
+
+@pytest.mark.slow
+def test_a_stale_extension_build_lock_is_named_in_the_timed_out_row(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed JIT-builds its CPU communication op on first use; a build killed midway leaves a lock
+    every later build waits on. The cell times out, and its row says which file to delete."""
+    pytest.importorskip("deepspeed")
+    lock = workdir / "ext" / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(workdir / "ext"))
+    write_matrix(workdir, TINY.replace("  hang:", "  ds:\n    device: cpu\n    models: [tiny-llama]\n    seq_lens: [32]\n"
+                                       "    batch_sizes: [1]\n    stacks: [zero2]\n    steps: {warmup: 1, measure: 1}\n"
+                                       "    timeout_s: 40\n  hang:"))
+    proc = run_bench(workdir, "run", "ds", "--run-id", "ds")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = raw_rows(workdir, "ds").values()
+    assert row["status"] == "timeout" and f"a torch extension build lock is held ({lock})" in row["error"]
