@@ -38,23 +38,26 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
     batch = summary[summary["axis"] == "batch"]
     for (budget, seq), group in batch.groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch", "",
-                  "| rank | stack | largest batch | tokens/s there | device peak GiB | headroom GiB | smallest OOM | probes |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| rank | model | stack | largest batch | tokens/s there | device peak GiB | headroom GiB | smallest OOM "
+                  "| probes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         fits = group[group["largest_ok"].notna()].sort_values("tokens_per_s", ascending=False)
         for rank, (_, r) in enumerate(fits.iterrows(), 1):
-            lines.append(f"| {rank} | `{r['stack']}` | {int(r['largest_ok'])} | {rate(r['tokens_per_s'])} | "
+            lines.append(f"| {rank} | {r['model']} | `{r['stack']}` | {int(r['largest_ok'])} | {rate(r['tokens_per_s'])} | "
                          f"{_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | {_int(r['smallest_oom'])} | "
                          f"{r['probes']} |")
         for _, r in group[group["largest_ok"].isna()].iterrows():
-            lines.append(f"| — | `{r['stack']}` | does not fit | | | | {_int(r['smallest_oom'])} | {r['probes']} |"
+            lines.append(f"| — | {r['model']} | `{r['stack']}` | does not fit | | | | {_int(r['smallest_oom'])} | {r['probes']} |"
                          + (f" {r['stopped']}" if r["stopped"] else ""))
         lines.append("")
     seq = summary[summary["axis"] == "seq"]
     if len(seq):
         lines += ["## Longest sequence at batch 1", "",
-                  "| budget GiB | stack | longest seq | smallest OOM seq | tokens/s | probes |", "|---|---|---|---|---|---|"]
-        for _, r in seq.sort_values(["budget_gib", "stack"]).iterrows():
-            lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} | "
+                  "| budget GiB | model | stack | longest seq | smallest OOM seq | tokens/s | probes |",
+                  "|---|---|---|---|---|---|---|"]
+        for _, r in seq.sort_values(["budget_gib", "model", "stack"]).iterrows():
+            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
+                         f"{_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
     return "\n".join(lines) + "\n"
 
@@ -85,20 +88,22 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
-                  "| stack | largest batch | predicted peak allocated GiB there | headroom GiB | smallest that does not fit |",
-                  "|---|---|---|---|---|"]
-        for _, r in group.sort_values("largest_ok", ascending=False, na_position="last").iterrows():
+                  "| model | stack | largest batch | predicted peak allocated GiB there | headroom GiB "
+                  "| smallest that does not fit |",
+                  "|---|---|---|---|---|---|"]
+        for _, r in group.sort_values(["model", "largest_ok"], ascending=[True, False], na_position="last").iterrows():
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
             peak = gib(r["peak_allocated_gib"]) if pd.notna(r["peak_allocated_gib"]) else ""
-            lines.append(f"| `{r['stack']}` | {largest} | {peak} | {_headroom(budget, r['peak_allocated_gib'])} | "
+            lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, r['peak_allocated_gib'])} | "
                          f"{_int(r['smallest_oom'])} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
     if len(seq_axis):
         lines += ["## Longest sequence at batch 1 (predicted)", "",
-                  "| budget GiB | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|"]
-        for _, r in seq_axis.sort_values(["budget_gib", "stack"]).iterrows():
-            lines.append(f"| {r['budget_gib']:g} | `{r['stack']}` | {_int(r['largest_ok'])} | {_int(r['smallest_oom'])} |")
+                  "| budget GiB | model | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|---|"]
+        for _, r in seq_axis.sort_values(["budget_gib", "model", "stack"]).iterrows():
+            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
+                         f"{_int(r['smallest_oom'])} |")
         lines.append("")
     unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
     if len(unsupported):

@@ -116,8 +116,6 @@ def build(cell: Cell) -> Trainer:
 def build_model(cell: Cell, device: str | None = None) -> Built:
     """Steps 1-4: the setup, patches, the base model (built or loaded), each technique's apply.
     On the cell's device unless `device` says otherwise (the predictor builds on "meta")."""
-    import torch
-
     device = device or cell.device
     uses = tuple((u.technique, u.opts) for u in cell.stack.uses)
     setup = stack_setup(uses)
@@ -133,13 +131,13 @@ def build_model(cell: Cell, device: str | None = None) -> Built:
         model = base_model(cell.model, device, cell.seed, setup)
         flops = measure.flops_per_token(model, cell.seq_len)
     evidence: Evidence = {}
-    # On meta, what techniques add (LoRA adapters) is made on meta too, not initialised on the CPU
-    # and moved (seconds for a 3B model). Elsewhere, as a user's code runs: adapters start on the CPU.
-    with torch.device("meta") if device == "meta" else contextlib.nullcontext():
-        for technique, opts in uses:
-            if technique.apply is not None:
-                model, found = technique.apply(model, opts)
-                evidence.update(found)
+    # What techniques add (LoRA adapters) is made as a user's code makes it, on the CPU, then moved to
+    # the model's device: also on meta, where peft would leave adapters made there in fp32 whatever
+    # their asked dtype (it casts to the base layer's dtype only when it moves them).
+    for technique, opts in uses:
+        if technique.apply is not None:
+            model, found = technique.apply(model, opts)
+            evidence.update(found)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return Built(model, device, setup, uses, evidence, total_params=sum(p.numel() for p in model.parameters()),
                  trainable_params=sum(p.numel() for p in trainable), weights_gib=measure.tensor_gib(model.parameters()),

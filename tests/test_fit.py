@@ -83,7 +83,7 @@ def test_fit_end_to_end_with_a_simulated_memory_limit(workdir) -> None:
     rows = {(r["budget_gib"], r["seq_len"], r["batch_size"]): r["status"] for r in raw_rows(workdir, "fit").values()}
     assert rows[(1.0, 32, 5)] == "ok" and rows[(1.0, 32, 6)] == "oom"  # both sides of the boundary are rows
     board = (workdir / "results" / "f" / "fit" / "FIT.md").read_text()
-    assert "## 1 GiB · seq 32: largest batch" in board and "| 1 | `fault(mode=oom, over_tokens=160)` | 5 |" in board
+    assert "## 1 GiB · seq 32: largest batch" in board and "| 1 | tiny-llama | `fault(mode=oom, over_tokens=160)` | 5 |" in board
 
     again = run_bench(workdir, *args)  # resumed: every probe is already a row
     assert again.returncode == 0 and "0 probes run now" in again.stdout

@@ -33,14 +33,15 @@ def test_counter_counts_storages_once_rounded_to_blocks_and_frees_them() -> None
     assert counter.live_bytes == 0 and counter.peak.nbytes == 3 * BLOCK_BYTES and len(counter.records) == 2
 
 
-@pytest.mark.parametrize("stack", ["baseline", "gc + lora", "mixed", "grad_accum", "padding", "packing",
-                                   "eager_attention", "adamw(impl=foreach)"])
+@pytest.mark.parametrize("stack", ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum", "padding",
+                                   "packing", "eager_attention", "adamw(impl=foreach)"])
 def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
     """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
     (the real run's model is built on the CPU under the counter), the same roles at the peak."""
     cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack))
-    fake_counter, _, fake_state = fake.counted_run(cell, Workspaces())
-    real_counter, _, real_state = fake.counted_run(cell, Workspaces(), fake=False)
+    fake_counter, fake_built, fake_state = fake.counted_run(cell, Workspaces())
+    real_counter, real_built, real_state = fake.counted_run(cell, Workspaces(), fake=False)
+    assert fake_built.weights_gib == real_built.weights_gib  # built on meta as on the CPU (adapter dtypes too)
     steps = {k: v for k, v in fake_counter.phase_peaks.items() if k != "build"}  # a real build makes temporaries
     assert steps == {k: real_counter.phase_peaks[k] for k in steps}
     assert set(steps) >= {"first_step/forward", "first_step/backward", "first_step/optimizer", "measure/forward"}
