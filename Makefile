@@ -33,8 +33,8 @@ install:
 	$(VENV)/bin/python -m pip install -q -e ".[dev,plots,bnb]"
 	# DeepSpeed is source-only on PyPI: built against the torch above, its ops JIT-built when used
 	DS_BUILD_OPS=0 $(VENV)/bin/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
-	# ... except the CPU communication op DeepSpeed builds on first use on a CPU: built now, once, so no cell
-	# waits on a build (or on the lock of a build that was killed); harmless where it cannot build
+# ... except the CPU communication op DeepSpeed builds on first use on a CPU: built now, once, so no cell
+# waits on a build (or on the lock of a build that was killed); harmless where it cannot build
 	-$(VENV)/bin/python -c "from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder as B; B().load()" >/dev/null 2>&1
 
 bench:
