@@ -6,8 +6,12 @@ lengths in steps of seq_step up to max_seq), assuming that what fits at size s f
 size. What is already known narrows the interval before any probe: earlier probes of the same
 search (a resumed run), the result at a smaller budget (what fits there fits here) and at a larger
 one (what OOMs there OOMs here). So a search costs at most ceil(log2(n + 1)) probes for n unknown
-candidates. Each probe is a cell of its own, run by the runner in a fresh process, recorded as a
-row; both sides of the boundary (largest size that ran, smallest that OOMed) are rows.
+candidates. A guess (the predicted frontier, on a GPU) is probed first, with its neighbour: a
+right guess settles a search in two probes.
+
+Probes: measured (MeasuredProbes: each a cell of its own, run by the runner in a fresh process,
+recorded as a row) or predicted (PredictedProbes, `bench fit --predict`: each cell's fake run, once
+whatever the budget). Both sides of the boundary (largest size that fit, smallest that did not) are rows.
 """
 
 from __future__ import annotations
