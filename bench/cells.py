@@ -164,6 +164,40 @@ def matching(planned: list[PlannedCell], only: str | None, matrix: str) -> list[
     return found
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` (1-based, "3/8"): one host's part of a matrix, so that a scheduler's
+    job array (Slurm or any other) fills the matrix in parallel, each shard under its own run id,
+    and `bench report --run-id 'RUN-shard*' --into RUN` merges them by cell id."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if not found or not 1 <= int(found.group(1)) <= int(found.group(2)):
+            raise SpecError(f"--shard {text!r}: give I/N with 1 <= I <= N, e.g. 3/8")
+        return cls(int(found.group(1)), int(found.group(2)))
+
+    @property
+    def label(self) -> str:
+        return f"shard{self.index}of{self.count}"
+
+    def select(self, planned: list[PlannedCell]) -> list[PlannedCell]:
+        """This shard's cells. A cell's group (the cells that differ only in batch size, and their
+        repeats) stays whole, so an OOM still prunes the group's larger batches; groups are dealt
+        round the shards in the order of a hash of each, so each shard gets as many groups (±1) and a
+        mix of models, lengths and stacks. Every shard of a run must plan from the same matrix."""
+        groups = sorted({pc.cell.group for pc in planned}, key=_group_digest)
+        mine = {g for i, g in enumerate(groups) if i % self.count == self.index - 1}
+        return [pc for pc in planned if pc.cell.group in mine]
+
+
+def _group_digest(group: Group) -> str:
+    return hashlib.sha1(json.dumps([str(v) for v in group]).encode()).hexdigest()
+
+
 def plan(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[PlannedCell]:
     return [PlannedCell(c, skip_reason(c, matrix, host)) for c in expand(matrix, host, repeats)]
 

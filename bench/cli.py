@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import cells, compare, envinfo, fit, fitreport, overhead, report, results, runner, spec
+from . import cells, compare, envinfo, fit, fitreport, overhead, prebuild, report, results, runner, spec
 from .predict import gpus
 from .predict import report as predict_report
 from .predict import runner as predict_runner
@@ -40,10 +40,10 @@ DEFAULT_RESULTS = envinfo.REPO / "results"
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if getattr(args, "run_id", None) is not None:  # it names files and folders under results/
-            spec.safe_name(args.run_id, "run id")
+        if getattr(args, "run_id", None) is not None and not getattr(args, "into", None):  # it names files
+            spec.safe_name(args.run_id, "run id")  # and folders under results/ (with --into: globs of runs that exist)
         return int(args.func(args))
-    except (spec.SpecError, StackError, results.RunBusy) as err:
+    except (spec.SpecError, StackError, results.RunBusy, prebuild.BuildBlocked) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -68,12 +68,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--repeats", type=int, help="run each cell N times, each in a fresh process (default: the matrix's)")
     run.add_argument("--prefork", choices=("auto", "on", "off"), default="auto",
                      help="start the next worker while a cell runs (auto: on for GPU runs)")
+    run.add_argument("--shard", metavar="I/N",
+                     help="run only shard I of N (by cell group), e.g. a job array's task: --shard 3/8; the "
+                          "default run id gets -shardIofN; `report --run-id 'RUN-shard*' --into RUN` merges them")
     run.set_defaults(func=cmd_run)
 
     rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its headline run (the one with the "
                                          "most cells, the newest among equals)")
     rep.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
-    rep.add_argument("--run-id", help="re-collect this run's raw rows (results/raw/RUN_ID) into its parquet first")
+    rep.add_argument("--run-id", help="re-collect this run's raw rows (results/raw/RUN_ID, else its parquet) into its "
+                                      "parquet first; several runs (comma list or globs, e.g. shards) with --into")
+    rep.add_argument("--into", help="merge the --run-id runs by cell id into this run (its parquet and board)")
     rep.set_defaults(func=cmd_report)
 
     cmp = sub.add_parser("compare", help="baseline run vs candidate run: deltas, exit 1 on a regression")
@@ -144,12 +149,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise spec.SpecError(f"--repeats must be at least 1, not {args.repeats}")
     planned = cells.plan(matrix, host, args.repeats)
+    if args.shard:
+        shard = cells.Shard.parse(args.shard)
+        held = shard.select(planned)
+        if not held:  # a job array with more tasks than the matrix has groups: not an error
+            print(f"shard {args.shard} of {matrix.name!r} holds none of its {len(planned)} cells: nothing to run")
+            return 0
+        planned = held
     cells.matching(planned, args.only, matrix.name)  # refuses globs that match nothing
     if not any(pc.skip_reason is None for pc in planned):
         return _nothing_runnable(args, matrix, planned, host)
     device = cells.resolve_device(matrix, host)
     provenance = envinfo.provenance(host)
     run_id = args.run_id or _default_run_id(matrix.name, device, provenance, args.fresh)
+    if args.shard and not args.run_id:
+        run_id += f"-{cells.Shard.parse(args.shard).label}"
     published = report.published_runs(args.results_dir / matrix.name) or set()
     if not args.run_id and args.results_dir / matrix.name / "runs" / f"{run_id}.parquet" in published:
         run_id += "-local"  # a user's run never writes into a published one (same matrix, same day)
@@ -176,9 +190,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    if args.into is not None:
+        spec.safe_name(args.into, "run id")
+    if args.into and not args.run_id:
+        raise spec.SpecError("--into merges the runs given by --run-id: name them")
     try:
-        parquet = (_collect(args.results_dir, args.matrix, args.run_id) if args.run_id
-                   else report.headline_run(args.results_dir / args.matrix))
+        if args.into:
+            parquet = _merge(args.results_dir, args.matrix, args.run_id, args.into)
+        elif args.run_id:
+            parquet = _collect(args.results_dir, args.matrix, args.run_id)
+        else:
+            parquet = report.headline_run(args.results_dir / args.matrix)
     except FileNotFoundError as err:
         raise spec.SpecError(str(err)) from err
     matrix = spec.load(args.matrix_file).get(args.matrix)  # a matrix since removed from matrix.yaml: no plan
@@ -188,13 +210,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _collect(results_dir: Path, matrix: str, run_id: str) -> Path:
-    """Raw rows of a run (e.g. copied back from a GPU host) -> its parquet table."""
-    raw_dir = results_dir / "raw" / run_id
-    rows = [r for r in results.read_raw(raw_dir).values() if r.get("matrix") == matrix]
+    """Raw rows of a run (e.g. copied back from a GPU host), over its published table if it has one
+    -> its parquet table."""
+    rows = list(results.run_rows(results_dir, matrix, run_id).values())
     if not rows:
-        raise spec.SpecError(f"no rows of matrix {matrix!r} under {raw_dir}")
+        raise spec.SpecError(f"no rows of matrix {matrix!r} in run {run_id!r} (under {results_dir / 'raw' / run_id} "
+                             f"or {results_dir / matrix / 'runs'})")
     parquet = results_dir / matrix / "runs" / f"{run_id}.parquet"
     results.write_parquet(rows, parquet)
+    return parquet
+
+
+def _merge(results_dir: Path, matrix: str, run_ids: str, into: str) -> Path:
+    """Several runs of one matrix (shards, or a run and its re-runs) -> one run's parquet, by cell id."""
+    names = [name for name in results.run_ids(results_dir, matrix, run_ids.split(",")) if name != into]
+    if not names:  # a glob may match the merged run itself, made by this command before: it is remade
+        raise spec.SpecError(f"--run-id {run_ids!r} names no run but {into!r} itself")
+    runs = [results.run_rows(results_dir, matrix, name) for name in names]
+    print(f"merging {len(names)} runs: {', '.join(names)}")
+    parquet = results_dir / matrix / "runs" / f"{into}.parquet"
+    results.write_parquet([r | {"run_id": into} for r in results.merge_runs(runs)], parquet)
     return parquet
 
 

@@ -1,7 +1,7 @@
 """One row from the rows of a multi-GPU cell's ranks (torchrun: one process, one row per rank).
 
 - memory: per GPU, the max over ranks (what must fit on each card); each rank's own figures are
-  kept in per_rank_json.
+  kept in per_rank_json. Stage times (build, first step, warm-up): the slowest rank's.
 - throughput: all ranks together: tokens of every rank over the slowest rank's measured time;
   tokens_per_s_per_gpu divides it by the rank count. Step-time percentiles are rank 0's.
 - losses: the mean over ranks of each step's loss: the loss of the global batch, comparable with a
@@ -17,7 +17,7 @@ import json
 import statistics
 from typing import Any
 
-from .results import MEMORY_COLUMNS
+from .results import MEMORY_COLUMNS, STAGE_TIME_COLUMNS
 
 PER_RANK = ("peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib", "host_rss_peak_gib", "measured_s", "status")
 
@@ -29,7 +29,7 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
     if not present:
         return base | {"status": "error", "error": "no rank wrote a row"}
     row = base | (rows[0] or present[0])
-    for col in MEMORY_COLUMNS:
+    for col in (*MEMORY_COLUMNS, *STAGE_TIME_COLUMNS):  # what each card must hold; the slowest rank's time
         values = [r[col] for r in present if r.get(col) is not None]
         row[col] = max(values) if values else None
     row["per_rank_json"] = json.dumps([{k: r.get(k) for k in PER_RANK} if r else None for r in rows])

@@ -65,6 +65,7 @@ def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (),
             lines += beside_measured(group[(group["status"] == "ok") & (group["device"] == "cuda")], predicted)
     lines += _repeatability(frame)
     lines += _checkpoints(frame, mem_col)
+    lines += _time_spent(runs)
     lines += _not_ok(runs.sort_values(["model", "seq_len", "stack", "batch_size"], kind="stable"))
     return "\n".join(lines).rstrip() + "\n"
 
@@ -218,6 +219,27 @@ def _repeatability(frame: pd.DataFrame) -> list[str]:
     for _, r in rep.iterrows():
         lines.append(f"| `{r['cell_id']}` | {r['repeats']} | {gib(r[peak_col])} | "
                      f"{r['peak_spread']:.2%} | {rate(r['tokens_per_s'])} | {r['tokens_per_s_cv']:.2%} |")
+    return [*lines, ""]
+
+
+def _time_spent(runs: pd.DataFrame) -> list[str]:
+    """Where the run's wall time went, summed over the cells that ran (every repeat, OOMs included):
+    the measured steps are the product, the rest is the harness's cost per cell."""
+    ran = runs[runs["wall_s"].notna() & runs["build_s"].notna()]
+    if ran.empty:
+        return []
+    wall, measured = float(ran["wall_s"].sum()), float(ran["measured_s"].fillna(0).sum())
+    stages = {"process start and imports (waited for)": ran["imports_wait_s"],
+              "build (model, stack, engine, batches)": ran["build_s"], "first step": ran["first_step_s"],
+              "other warm-up steps": ran["warmup_s"], "measured steps": ran["measured_s"],
+              "checkpoint save": ran["checkpoint_s"], "teardown (result written to exit)": ran["teardown_s"]}
+    spent = {name: float(col.fillna(0).sum()) for name, col in stages.items()}
+    spent["other (memory readings, OOM unwinding, the runner)"] = wall - sum(spent.values())
+    ratio = f"{wall / measured:.2f}" if measured else "n/a"
+    lines = ["## Where the time went", "",
+             f"{len(ran)} cells ran in {wall / 60:.1f} min of wall time ({wall / len(ran):.1f} s per cell); "
+             f"wall / measured = {ratio}.", "", "| stage | total s | share of wall |", "|---|---|---|"]
+    lines += [f"| {name} | {seconds:.1f} | {seconds / wall:.0%} |" for name, seconds in spent.items()]
     return [*lines, ""]
 
 

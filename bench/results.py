@@ -14,6 +14,7 @@ throughput is all ranks together (and per GPU in tokens_per_s_per_gpu).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import sys
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 5  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens
+SCHEMA_VERSION = 6  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
+# 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked)
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -50,7 +52,15 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("oom_phase", "str", "for oom: stage/phase it happened in (build, first_step/backward, ...)"),
     ("skip_reason", "str", "for skipped: why (a requirement, a rule, or pruned after an OOM)"),
     ("error", "str", "for error/timeout/host_oom: the tail of the exception or of the worker's log"),
-    ("wall_s", "float", "wall time of the cell's process, start to exit, s"),
+    ("wall_s", "float", "wall time of the cell, from its handover to its worker (the worker's start if not "
+                        "preforked) to the worker's exit, s: what the cell cost the host"),
+    ("preforked", "bool", "the worker was started while the previous cell ran: its imports_s is not in wall_s"),
+    ("imports_s", "float", "worker process start to torch, transformers and the model's code imported, s"),
+    ("imports_wait_s", "float", "the part of imports_s the cell waited for (all of it unless preforked early enough), s"),
+    ("build_s", "float", "cell handed over to model built, stack applied, engine wrapped and batches made, s"),
+    ("first_step_s", "float", "the first step (lazy optimizer state, allocator growth, kernel choice), wall, s"),
+    ("warmup_s", "float", "the other warm-up steps, wall, s"),
+    ("teardown_s", "float", "the worker's result written to its process's exit (CUDA, NCCL, interpreter), s"),
     ("build_allocated_gib", "float", "allocated after building the model and applying the stack (weights footprint), GiB"),
     ("weights_gib", "float", "bytes of all parameters, GiB"),
     ("grads_gib", "float", "bytes of the gradients of trainable parameters (same dtype as each), GiB"),
@@ -273,6 +283,40 @@ def published_rows(results_dir: Path, run_id: str) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def run_ids(results_dir: Path, matrix: str, patterns: list[str]) -> list[str]:
+    """The runs of a matrix (raw rows under results/raw/, or a table under results/MATRIX/runs/) whose
+    id matches one of the globs; FileNotFoundError naming a glob that matches none."""
+    known = {p.stem for p in (results_dir / matrix / "runs").glob("*.parquet")}
+    known |= {d.name for d in (results_dir / "raw").glob("*") if d.is_dir() and
+              any(r.get("matrix") == matrix for r in read_raw(d).values())}
+    found = []
+    for pattern in patterns:
+        matched = sorted(name for name in known if fnmatch.fnmatch(name, pattern.strip()))
+        if not matched:
+            raise FileNotFoundError(f"no run of matrix {matrix!r} matches {pattern!r} (runs: {', '.join(sorted(known))})")
+        found += [name for name in matched if name not in found]
+    return found
+
+
+def run_rows(results_dir: Path, matrix: str, run_id: str) -> dict[str, dict[str, Any]]:
+    """row key -> row of one run of a matrix: its published table, with its raw rows (newer) over it."""
+    rows = published_rows(results_dir, run_id) | read_raw(results_dir / "raw" / run_id)
+    return {key: row for key, row in rows.items() if row.get("matrix") == matrix}
+
+
+def merge_runs(runs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per cell (and repeat) from several runs: a measured row (ok) over one that is not,
+    then the newest. Shards never share a cell; a run and its re-run do."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rows in runs:
+        for key, row in rows.items():
+            kept = merged.get(key)
+            if kept is None or (row["status"] == "ok", str(row.get("started_at"))) > \
+                    (kept["status"] == "ok", str(kept.get("started_at"))):
+                merged[key] = row
+    return list(merged.values())
+
+
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Columns computed from others at collection time, so old raw rows gain them too.
 
@@ -335,3 +379,5 @@ def read_parquet(path: Path, table: Table = MEASURED):
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))
+# where a cell's wall time goes, in order, besides measured_s and checkpoint_s (a torchrun cell: the slowest rank)
+STAGE_TIME_COLUMNS = ("imports_s", "imports_wait_s", "build_s", "first_step_s", "warmup_s")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from . import distributed, ranks, results
+from . import distributed, prebuild, ranks, results, worker
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
 
@@ -77,6 +77,7 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
          provenance: dict[str, Any], progress: Progress) -> dict[str, Any]:
     oom_batch = _oom_batches(planned, rows)
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
+    _prebuild_ops([pc.cell for pc in todo if not pc.skip_reason])
     progress.start(len(todo))
     spare: Worker | None = None
     try:
@@ -89,9 +90,11 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
                 row = base | {"status": "skipped", "skip_reason": reason}
             else:
                 request = _request(cell, raw_dir)
-                worker = spare if spare is not None and spare.cell == cell else _spawn(cell, raw_dir, request)
-                if spare is not worker:
+                preforked = spare is not None and spare.cell == cell
+                worker = spare if spare is not None and preforked else _spawn(cell, raw_dir, request)
+                if not preforked:
                     _discard(spare)
+                base = base | {"preforked": preforked}
                 nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
                 spare, row = _finish(worker, request, base, raw_dir, next_cell=nxt)
             results.write_atomic(raw_dir / f"{cell.row_key}.json", row)
@@ -102,6 +105,17 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     finally:
         _discard(spare)
     return rows
+
+
+def _prebuild_ops(cells: list[Cell]) -> None:
+    """The JIT-built ops the cells need, compiled before the first one (see bench/prebuild.py). A failed
+    build is only reported: the cells that need the op record their own error, the others run."""
+    names = prebuild.ops_needed(cells)
+    if names:
+        print(f"building DeepSpeed ops before the first cell: {', '.join(names)}", file=sys.stderr, flush=True)
+        failed = prebuild.build(names)
+        if failed:
+            print(failed, file=sys.stderr, flush=True)
 
 
 def _wanted(pc: PlannedCell, rows: dict[str, dict[str, Any]], opts: RunOptions) -> bool:
@@ -156,6 +170,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
+        worker.PRELOAD_MODEL_ENV: cell.model,
     }
     for use in cell.stack.uses:
         if use.technique.env is not None:
@@ -167,11 +182,12 @@ def _cell_env(cell: Cell) -> dict[str, str]:
 
 
 def _request(cell: Cell, raw_dir: Path) -> dict[str, Any]:
-    """What a worker is handed: the cell, and where to write what it measured."""
+    """What a worker is handed: the cell, where to write what it measured, and when (epoch s: the
+    worker tells how much of its imports the cell waited for)."""
     out = raw_dir / f".{cell.row_key}.worker.json"
     for stale in (out, *(results.rank_path(out, r) for r in range(cell.gpus))):
         stale.unlink(missing_ok=True)
-    return {"cell": cell.to_json(), "out": str(out)}
+    return {"cell": cell.to_json(), "out": str(out), "handed_over_at": time.time()}
 
 
 def _spawn(cell: Cell, raw_dir: Path, request: dict[str, Any] | None = None) -> Worker:
@@ -229,7 +245,7 @@ def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_d
     started = time.monotonic()
     if proc.stdin is not None:
         try:
-            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.write((json.dumps(request | {"handed_over_at": time.time()}) + "\n").encode())
             proc.stdin.close()
         except BrokenPipeError:  # the worker died while importing: its log says why
             pass
@@ -240,14 +256,23 @@ def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_d
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         timed_out = True
+    exited_at = time.time()
     worker.log.close()
     wall_s = time.monotonic() - started
     (raw_dir / f".{cell.row_key}.request.json").unlink(missing_ok=True)
+    teardown_s = _teardown_s(out, cell.gpus, exited_at)
     row = _row_of(worker, base, out, timed_out)
     if cell.gpus > 1 and row["status"] == "error" and RANK_SIGKILLED.search(_log_tail(worker, 200)):
         row = row | {"status": "host_oom", "error": "a rank was killed by SIGKILL: most likely the kernel's OOM "
                                                     f"killer, out of host RAM\n{row['error']}"}
-    return spare, row | {"wall_s": wall_s}
+    return spare, row | {"wall_s": wall_s, "teardown_s": teardown_s}
+
+
+def _teardown_s(out: Path, gpus: int, exited_at: float) -> float | None:
+    """From the worker's result written (its file's time) to the process's exit: CUDA, NCCL and the
+    interpreter shutting down. The last rank's file for a torchrun cell; None without a result."""
+    written = [p.stat().st_mtime for p in (out, *(results.rank_path(out, r) for r in range(gpus))) if p.exists()]
+    return max(0.0, exited_at - max(written)) if written else None
 
 
 def _row_of(worker: Worker, base: dict[str, Any], out: Path, timed_out: bool) -> dict[str, Any]:
@@ -258,32 +283,20 @@ def _row_of(worker: Worker, base: dict[str, Any], out: Path, timed_out: bool) ->
         row = ranks.merge(base, rank_rows, cell.gpus)  # every rank's row: ok, even if one then hung exiting
         if timed_out and row["status"] == "error":  # no rank failed: the missing ones were still running
             row = row | {"status": "timeout",
-                         "error": f"killed after {cell.timeout_s:.0f} s{_held_build_locks()}\n{row['error']}"}
+                         "error": f"killed after {cell.timeout_s:.0f} s{prebuild.held_build_locks()}\n{row['error']}"}
         return row
     if out.exists():  # the worker's own measurements win, even if it hung while exiting
         row = base | json.loads(out.read_text())
         out.unlink()
         return row
     if timed_out:
-        return base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s{_held_build_locks()}\n"
+        return base | {"status": "timeout", "error": f"killed after {cell.timeout_s:.0f} s{prebuild.held_build_locks()}\n"
                                                      + _log_tail(worker)}
     if proc.returncode in HOST_OOM_CODES:
         return base | {"status": "host_oom",
                        "error": f"worker killed by SIGKILL (exit {proc.returncode}): most likely the kernel's "
                                 f"OOM killer, out of host RAM\n" + _log_tail(worker)}
     return base | {"status": "error", "error": f"worker exited {proc.returncode} without a result\n" + _log_tail(worker)}
-
-
-def _held_build_locks() -> str:
-    """Why a cell may have waited until its timeout: a torch extension build lock (DeepSpeed JIT-builds
-    its ops, e.g. the CPU shm_comm op, under ~/.cache/torch_extensions) left by a build that was killed.
-    Every later build of that op waits on it forever. Said in the row, with the file to delete."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    locks = sorted(root.glob("*/*/lock"))
-    if not locks:
-        return ""
-    return (f"; a torch extension build lock is held ({', '.join(map(str, locks))}): a build killed before it "
-            "finished leaves it, and later builds wait on it; delete it if nothing is building")
 
 
 def _rank_rows(out: Path, world: int) -> dict[int, dict[str, Any]]:

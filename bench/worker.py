@@ -34,6 +34,7 @@ from .cells import Cell
 from .engines import Engine
 from .measure import GIB
 
+PRELOAD_MODEL_ENV = "BENCH_WORKER_MODEL"  # the runner names the cell's model: its code is imported before the cell
 OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
 HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory",)  # host RAM exhausted (CPU cells, offload)
 
@@ -48,16 +49,44 @@ def main() -> None:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
+    _import_model_code(os.environ.get(PRELOAD_MODEL_ENV))
+    imported_at = time.time()
     line = Path(request_file).read_text() if request_file else sys.stdin.readline()
     if not line.strip():
         return
     request = json.loads(line)
-    measured = run_cell(Cell.from_json(request["cell"]))
+    imports = {"imports_s": imported_at - _process_started_at(),
+               "imports_wait_s": max(0.0, imported_at - request["handed_over_at"])}
+    measured = imports | run_cell(Cell.from_json(request["cell"]))
     out = Path(request["out"])
     results.write_json_atomic(results.rank_path(out, distributed.rank()) if request_file else out, measured)
     distributed.shutdown()
-    if request_file and measured["status"] != "ok":
-        os._exit(1)  # torchrun then stops the other ranks, which may wait on this one in a collective
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed rank exits non-zero: torchrun then stops the other ranks, which may wait on it in a
+    # collective. Either way the result is written: the interpreter's teardown (module and tensor
+    # finalizers, about a second a cell) is skipped; the OS frees the memory, the driver the context.
+    os._exit(1 if request_file and measured["status"] != "ok" else 0)
+
+
+def _import_model_code(model: str | None) -> None:
+    """transformers imports a model family's code on first use (1.6 s for Llama's on a 2-core CPU host,
+    more than the tiny model's whole build): done here, before the cell is handed over, so a preforked
+    worker hides it. Pure Python: nothing touches CUDA."""
+    if not model:
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from . import models
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(models.hf_config(models.get(model), "sdpa"))]
+
+
+def _process_started_at() -> float:
+    """When this process started (epoch seconds): its interpreter start and imports count as its cost."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -125,6 +154,7 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
     OOM row still carries what was known before it (weights, evidence)."""
     import torch
 
+    started = time.perf_counter()
     built = trainer.build_model(cell)
     out.update(  # counted before an engine partitions the parameters (ZeRO-3 leaves them empty)
         flops_per_token=built.flops_per_token,
@@ -138,7 +168,10 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
     del built  # the engine holds the model now
     out["evidence_json"] = json.dumps(job.evidence, sort_keys=True)
     batches = job.batches()
-    losses, step_s = _loop(job, batches, tracker)
+    if cell.device == "cuda":
+        torch.cuda.synchronize()
+    out["build_s"] = time.perf_counter() - started
+    losses, step_s, out["first_step_s"], out["warmup_s"] = _loop(job, batches, tracker)
     out["evidence_json"] = json.dumps(job.evidence, sort_keys=True)  # with what the step hooks added
     if cell.checkpoint != "none":
         out.update(_checkpoint(job.engine, cell.checkpoint, tracker, cell.device == "cuda"))
@@ -199,23 +232,33 @@ def _checkpoint_dir() -> Any:
             shutil.rmtree(shared, ignore_errors=True)
 
 
-def _loop(job: trainer.Trainer, batches: list[data.Batch], tracker: measure.PhaseTracker) -> tuple[list[float], list[float]]:
+def _loop(job: trainer.Trainer, batches: list[data.Batch],
+          tracker: measure.PhaseTracker) -> tuple[list[float], list[float], float, float]:
     """All steps; the first is the 'first_step' stage (lazy optimizer state), then warm-up, then
-    the measured ones, timed with CUDA events on the GPU (host clock on the CPU)."""
+    the measured ones, timed with CUDA events on the GPU (host clock on the CPU). Returns the losses,
+    the measured step times, and the wall time of the first step and of the other warm-up steps
+    (host clock, the device drained at each boundary: what they cost a GPU window)."""
     import torch
 
     cuda = job.cell.device == "cuda"
     losses, timings = [], []
+    stage_s = {"first_step": 0.0, "warmup": 0.0}
     for i, batch in enumerate(batches):
         stage = "first_step" if i == 0 else "warmup" if i < job.cell.warmup_steps else "measure"
-        start = _mark(cuda)
-        losses.append(job.step(batch, tracker, stage))
         if stage == "measure":
+            start = _mark(cuda)
+            losses.append(job.step(batch, tracker, stage))
             timings.append((start, _mark(cuda)))
+            continue
+        began = time.perf_counter()
+        losses.append(job.step(batch, tracker, stage))
+        if cuda:
+            torch.cuda.synchronize()
+        stage_s[stage] += time.perf_counter() - began
     if cuda:
         torch.cuda.synchronize()
     step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]
-    return [float(x) for x in losses], step_s
+    return [float(x) for x in losses], step_s, stage_s["first_step"], stage_s["warmup"]
 
 
 def _mark(cuda: bool) -> Any:

@@ -120,3 +120,23 @@ def test_a_cell_survives_the_handoff_to_its_worker() -> None:
     tampered = budgeted.to_json() | {"seq_len": 2048}
     with pytest.raises(ValueError, match="lost a setting"):
         cells.Cell.from_json(tampered)
+
+
+def test_shards_partition_a_matrix_evenly_without_splitting_a_group() -> None:
+    planned = cells.plan(spec.get(REPO_MATRIX, "llama3b"), GPU_HOST)
+    for count in (1, 3, 8, 100):
+        shards = [{pc.cell.cell_id for pc in cells.Shard(i, count).select(planned)} for i in range(1, count + 1)]
+        assert sum(map(len, shards)) == len(set().union(*shards)) == len(planned)  # each cell in exactly one
+        owner = {cid: i for i, shard in enumerate(shards) for cid in shard}
+        groups: dict[tuple, set[int]] = {}
+        for pc in planned:
+            groups.setdefault(pc.cell.group, set()).add(owner[pc.cell.cell_id])
+        assert all(len(found) == 1 for found in groups.values())  # an OOM still prunes its group's larger batches
+        per_shard = [len(s) // 4 for s in shards]  # llama3b: 4 batch sizes per group
+        assert max(per_shard) - min(per_shard) <= 1, per_shard
+
+
+@pytest.mark.parametrize("text", ["0/8", "9/8", "3", "a/b", "3/8/1", "-1/2", ""])
+def test_a_bad_shard_is_named(text: str) -> None:
+    with pytest.raises(spec.SpecError, match="--shard"):
+        cells.Shard.parse(text)

@@ -185,3 +185,39 @@ def test_a_stale_extension_build_lock_is_named_in_the_timed_out_row(workdir: Pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = raw_rows(workdir, "ds").values()
     assert row["status"] == "timeout" and f"a torch extension build lock is held ({lock})" in row["error"]
+
+
+@pytest.mark.slow
+def test_a_stale_lock_on_an_op_the_cells_need_stops_the_run_before_any_cell(workdir: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`zero2(adam=deepspeed)` needs DeepSpeed's JIT-built FusedAdam: the runner builds it before
+    the first cell, so a stale lock is found once, named, and nothing runs (instead of every cell
+    hanging until its timeout)."""
+    pytest.importorskip("deepspeed")
+    lock = workdir / "ext" / "py311_cpu" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(workdir / "ext"))
+    monkeypatch.setenv("BENCH_BUILD_TIMEOUT_S", "15")
+    write_matrix(workdir, TINY.replace("  hang:", "  ds:\n    device: cpu\n    models: [tiny-llama]\n    seq_lens: [32]\n"
+                                       "    batch_sizes: [1, 2]\n    stacks: ['zero2(adam=deepspeed)']\n"
+                                       "    steps: {warmup: 1, measure: 1}\n    timeout_s: 600\n  hang:"))
+    proc = run_bench(workdir, "run", "ds", "--run-id", "ds")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "FusedAdamBuilder took over 15 s" in proc.stderr and f"lock is held ({lock})" in proc.stderr
+    assert not raw_rows(workdir, "ds")
+
+
+def test_only_cells_that_choose_deepspeeds_adam_need_a_jit_build() -> None:
+    from bench import prebuild
+    from bench.cells import Cell
+    from bench.stacks import parse_stack
+
+    def cell(stack: str, device: str = "cuda") -> Cell:
+        return Cell(matrix="m", model="tiny-llama", seq_len=32, batch_size=1, stack=parse_stack(stack), device=device,
+                    warmup_steps=1, measure_steps=1, seed=0, timeout_s=60)
+
+    assert prebuild.ops_needed([cell("zero2"), cell("zero3 + offload"), cell("baseline")]) == ()
+    assert prebuild.ops_needed([cell("zero3(adam=deepspeed)")]) == ("FusedAdamBuilder",)
+    assert prebuild.ops_needed([cell("zero2(adam=deepspeed) + offload"),
+                                cell("zero3(adam=deepspeed)", "cpu")]) == ("CPUAdamBuilder", "FusedAdamBuilder")

@@ -99,3 +99,14 @@ def test_boards_state_coverage_spread_and_noise() -> None:
     assert "tok/s within noise (±" in board
     noisy = frame[frame["step_time_cv"] >= report.NOISY_CV]
     assert len(noisy) == 0 or f"(CV {noisy['step_time_cv'].iloc[0]:.0%})" in board
+
+
+def test_merged_runs_keep_one_row_per_cell_a_measured_one_first_then_the_newest() -> None:
+    def row(cell: str, status: str, day: int, run: str) -> dict:
+        return {"cell_id": cell, "status": status, "started_at": f"2026-11-{day:02d}T00:00:00+00:00", "run": run}
+
+    shard_a = {"x": row("x", "ok", 20, "a"), "y": row("y", "oom", 20, "a"), "z": row("z", "error", 20, "a")}
+    rerun = {"x": row("x", "error", 22, "b"), "y": row("y", "ok", 21, "b"), "z": row("z", "timeout", 23, "b")}
+    merged = {r["cell_id"]: r["run"] for r in results.merge_runs([shard_a, rerun])}
+    assert merged == {"x": "a", "y": "b", "z": "b"}  # nothing measured is lost to a later failure
+    assert {r["run"] for r in results.merge_runs([rerun, shard_a])} == {"a", "b"}  # order of the runs does not matter

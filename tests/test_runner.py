@@ -45,12 +45,41 @@ def test_tiny_matrix_end_to_end_then_resume_runs_nothing(workdir: Path) -> None:
     assert "python -m bench run tiny --run-id t1" in board
     assert "Cumulative ladder at batch 2:" in board and "| 1 | `gc` |" in board
     assert (workdir / "results" / "tiny" / "plots" / "tiny-llama_tokens_vs_memory.png").stat().st_size > 10_000
+    _check_where_the_time_went(table, board)
 
     mtimes = {p.name: p.stat().st_mtime_ns for p in (workdir / "results" / "raw" / "t1").glob("*.json")}
     again = run_bench(workdir, "run", "tiny", "--run-id", "t1")
     assert again.returncode == 0
     assert {p.name: p.stat().st_mtime_ns for p in (workdir / "results" / "raw" / "t1").glob("*.json")} == mtimes
     assert "done: 8 ok" in again.stdout
+
+
+def _check_where_the_time_went(table: pd.DataFrame, board: str) -> None:
+    """Each cell's wall time is accounted for by its stages, up to what the worker spends measuring."""
+    stages = ["imports_wait_s", "build_s", "first_step_s", "warmup_s", "measured_s", "teardown_s"]
+    assert (table[[*stages, "imports_s"]] >= 0).all().all() and (table["build_s"] > 0).all()
+    assert list(table.sort_values("started_at")["preforked"])[:2] == [False, True]  # the first has no predecessor
+    assert (table["imports_wait_s"] <= table["imports_s"] + 0.01).all()
+    unaccounted = table["wall_s"] - table[stages].sum(axis=1)
+    assert (unaccounted > -0.05).all() and (unaccounted < (0.25 * table["wall_s"]).clip(lower=1.5)).all(), \
+        table[["wall_s", *stages]]
+    assert "## Where the time went" in board and "wall / measured = " in board
+
+
+def test_shards_split_a_matrix_by_group_and_report_merges_them(workdir: Path) -> None:
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [1]"))
+    for i in (1, 2):
+        proc = run_bench(workdir, "run", "tiny", "--run-id", f"sh{i}", "--shard", f"{i}/2")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    shards = [set(raw_rows(workdir, f"sh{i}")) for i in (1, 2)]
+    assert all(shards) and not shards[0] & shards[1]  # this matrix's 4 groups land on both shards
+    merged = run_bench(workdir, "report", "tiny", "--run-id", "sh*", "--into", "all")
+    assert merged.returncode == 0, merged.stderr
+    table = pd.read_parquet(workdir / "results" / "tiny" / "runs" / "all.parquet")
+    assert set(table["cell_id"]) == shards[0] | shards[1] and len(table) == 4 and set(table["run_id"]) == {"all"}
+    assert "Coverage: 4 of the 4 cells" in (workdir / "results" / "tiny" / "runs" / "all.md").read_text()
+    again = run_bench(workdir, "report", "tiny", "--run-id", "*", "--into", "all")  # the glob matches `all` too
+    assert again.returncode == 0 and "merging 2 runs: sh1, sh2" in again.stdout, again.stderr
 
 
 def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path) -> None:

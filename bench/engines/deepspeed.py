@@ -96,3 +96,11 @@ def _merge(into: dict[str, Any], fragment: dict[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = value
+
+
+def jit_ops(cell: Any) -> tuple[str, ...]:
+    """The DeepSpeed op builders a cell's engine will JIT-compile on first use (none with the default
+    `adam=torch`): CPUAdam when the optimizer is offloaded, FusedAdam (the CUDA or the CPU one) otherwise."""
+    if not any(use.name in ("zero2", "zero3") and use.opts["adam"] == "deepspeed" for use in cell.stack.uses):
+        return ()
+    return ("CPUAdamBuilder",) if "offload" in cell.stack.names else ("FusedAdamBuilder",)
