@@ -214,7 +214,7 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
     if cell.device == "cuda" and cell.gpus > host.cuda_devices:
         return f"needs {cell.gpus} GPUs: {host.cuda_devices} visible on this machine"
     if cell.gpus > 1 and not any(u.technique.slot == "engine" for u in cell.stack.uses):
-        return f"{cell.gpus} GPUs need a sharding engine in the stack (fsdp, zero2, zero3): plain data parallel is not measured"
+        return f"{cell.gpus} GPUs need a multi-GPU engine in the stack (ddp, fsdp, zero2, zero3)"
     family = models.get(cell.model).family
     for use in cell.stack.uses:
         t = use.technique

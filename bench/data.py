@@ -7,6 +7,9 @@ Three layouts of the same kind of data (`TrainSetup.data`):
 - full: every row is one sequence of exactly seq_len tokens (the suite's default; no padding).
 - pad: every row is one document of variable length (uniform in [min_doc_frac * seq_len, seq_len]),
   right-padded to seq_len with an attention mask; padding positions are not useful tokens.
+- dynpad: the pad layout, but each batch padded only to its own longest document (what a collator
+  with `padding="longest"` does), so batch shapes change from step to step; documents in drawn order
+  (shuffled) or sorted by length across the run (ascending: every batch at least as long as the last).
 - pack: documents of the same length distribution concatenated into rows of seq_len (the last one
   of a row cut), with position_ids restarting at each document, which transformers turns into a
   block-diagonal causal mask: a document attends only to itself; every position is a useful token.
@@ -51,8 +54,8 @@ class Batch:
 
 
 def batches(layout: str, vocab_size: int, batch_size: int, seq_len: int, steps: int, seed: int, device: str,
-            min_doc_frac: float = 0.1, rank: int = 0, world: int = 1) -> list[Batch]:
-    """`steps` batches of this rank's `batch_size` rows, in the given layout (full | pad | pack)."""
+            min_doc_frac: float = 0.1, rank: int = 0, world: int = 1, order: str = "shuffled") -> list[Batch]:
+    """`steps` batches of this rank's `batch_size` rows, in the given layout (full | pad | dynpad | pack)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -60,6 +63,8 @@ def batches(layout: str, vocab_size: int, batch_size: int, seq_len: int, steps: 
     if layout == "full":  # drawn in one call, as the suite always has: published first losses stay comparable
         tokens = torch.randint(0, vocab_size, (steps, rows, seq_len), generator=gen)
         whole = [Batch(t, t) for t in tokens]
+    elif layout == "dynpad":
+        whole = _dynamically_padded(gen, vocab_size, rows, seq_len, steps, min_doc_frac, order)
     else:
         make = _padded if layout == "pad" else _packed
         whole = [make(gen, vocab_size, rows, seq_len, min_doc_frac) for _ in range(steps)]
@@ -82,6 +87,23 @@ def _padded(gen: Any, vocab_size: int, rows: int, seq_len: int, min_doc_frac: fl
     mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
     tokens = torch.randint(0, vocab_size, (rows, seq_len), generator=gen) * mask  # padding token id 0
     return Batch(tokens, tokens.masked_fill(mask == 0, IGNORE), attention_mask=mask)
+
+
+def _dynamically_padded(gen: Any, vocab_size: int, rows: int, seq_len: int, steps: int, min_doc_frac: float,
+                        order: str) -> list[Batch]:
+    """Each step's global batch padded to its longest document (ranks share that length)."""
+    import torch
+
+    lengths = torch.randint(max(1, int(min_doc_frac * seq_len)), seq_len + 1, (steps, rows), generator=gen)
+    if order == "sorted":
+        lengths = lengths.flatten().sort().values.view(steps, rows)
+    out = []
+    for step_lengths in lengths:
+        width = int(step_lengths.max())
+        mask = (torch.arange(width)[None, :] < step_lengths[:, None]).long()
+        tokens = torch.randint(0, vocab_size, (rows, width), generator=gen) * mask  # padding token id 0
+        out.append(Batch(tokens, tokens.masked_fill(mask == 0, IGNORE), attention_mask=mask))
+    return out
 
 
 def _packed(gen: Any, vocab_size: int, rows: int, seq_len: int, min_doc_frac: float) -> Batch:

@@ -15,6 +15,7 @@ Definitions (the README and results.SCHEMA repeat them):
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import statistics
@@ -81,6 +82,9 @@ def step_time_stats(step_s: list[float]) -> dict[str, float]:
     }
 
 
+TIMELINE_STAGES = ("build", "first_step", "measure", "checkpoint")  # not warm-up: the first step and a steady one
+
+
 class PhaseTracker:
     """Per-phase allocator peaks: reset the peak at each phase boundary, read it at the next.
 
@@ -92,6 +96,10 @@ class PhaseTracker:
         self.cuda = cuda
         self.where = "build"
         self.peaks: dict[str, tuple[int, int, int]] = {}  # "stage/phase" -> (allocated, reserved, active)
+        # "stage/phase" -> memory at its end and its own peak, GiB: the build, the first step's phases and
+        # the last measured step's (a steady one), the save: how a report reads "after backward, 61 GB"
+        self.timeline: dict[str, dict[str, float]] = {}
+        self.trace: list[dict[str, Any]] = []  # after every step: its stage, positions, allocated, reserved
         if cuda:
             import torch
 
@@ -111,11 +119,26 @@ class PhaseTracker:
                s.get("active_bytes.all.peak", 0))
         old = self.peaks.get(self.where, (0, 0, 0))
         self.peaks[self.where] = tuple(max(a, b) for a, b in zip(old, now, strict=False))  # type: ignore[assignment]
+        if self.where.split("/")[0] in TIMELINE_STAGES:
+            self.timeline[self.where] = {"end_allocated_gib": torch.cuda.memory_allocated() / GIB,
+                                         "end_reserved_gib": torch.cuda.memory_reserved() / GIB,
+                                         "peak_allocated_gib": now[0] / GIB, "peak_reserved_gib": now[1] / GIB}
         torch.cuda.reset_peak_memory_stats()
 
+    def step_done(self, stage: str, positions: int) -> None:
+        """After a step: what it held on to (the allocator's cache keeps what the longest batch so far
+        reserved: padded batches of growing length climb in stairs)."""
+        entry: dict[str, Any] = {"stage": stage, "positions": positions, "allocated_gib": None, "reserved_gib": None}
+        if self.cuda:
+            import torch
+
+            entry.update(allocated_gib=torch.cuda.memory_allocated() / GIB, reserved_gib=torch.cuda.memory_reserved() / GIB)
+        self.trace.append(entry)
+
     def summary(self) -> dict[str, Any]:
+        trace = {"step_trace_json": json.dumps(self.trace)} if self.trace else {}
         if not self.peaks:
-            return {}
+            return trace
         # The checkpoint save is reported on its own (checkpoint_peak_*): peak_* stays "training".
         training = {k: v for k, v in self.peaks.items() if not k.startswith("checkpoint/")} or self.peaks
         steady = [v for k, v in training.items() if k.startswith("measure/")]
@@ -132,7 +155,8 @@ class PhaseTracker:
         }
         if saving:
             out.update(checkpoint_peak_allocated_gib=save[0], checkpoint_peak_reserved_gib=save[1])
-        return out
+        out["phase_timeline_json"] = json.dumps([{"phase": k, **v} for k, v in self.timeline.items()])
+        return out | trace
 
 
 def _max_gib(peaks: Any) -> tuple[float | None, float | None, float | None]:

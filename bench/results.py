@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 6  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
-# 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked)
+# 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked),
+# the phase timeline and the step trace
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -80,7 +81,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("host_rss_peak_gib", "float", "peak resident memory of the worker process, GiB"),
     ("alloc_retries", "int", "allocator retries (cudaMalloc failed, cache flushed, retried)"),
     ("allocator_ooms", "int", "OOMs the allocator raised"),
-    ("tokens_per_step", "int", "batch_size * seq_len * gpus: token positions per optimizer step, padding included"),
+    ("tokens_per_step", "int", "batch_size * seq_len * gpus: token positions per optimizer step, padding included "
+                               "(dynamic_padding: the mean over measured steps, rounded)"),
     ("useful_tokens_per_step", "float", "non-padding tokens per optimizer step (mean over measured steps), all ranks"),
     ("measured_s", "float", "sum of measured step times, s (the slowest rank's)"),
     ("tokens_per_s", "float", "tokens in measured steps / measured_s, all ranks together"),
@@ -96,6 +98,11 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("trainable_params", "int", "parameters with requires_grad"),
     ("evidence_json", "str", "what each technique reported when applied (JSON): proof that it applied"),
     ("losses_json", "str", "the loss of every step, warm-up first, mean over ranks (JSON list)"),
+    ("phase_timeline_json", "str", "GPU: memory at the end of each phase and its peak within it (end_/peak_ "
+                                   "allocated_gib, reserved_gib) for the build, the first step's forward, backward "
+                                   "and optimizer, the last measured step's, and the save (JSON list in order)"),
+    ("step_trace_json", "str", "after every step, warm-up first: its stage, its positions per row (the batch's "
+                               "padded length), and on the GPU allocated_gib and reserved_gib (JSON list)"),
     ("per_rank_json", "str", "multi-GPU cells: each rank's memory counters and time (JSON list, rank order)"),
     ("gpu_name", "str", "first visible GPU (NVML)"),
     ("gpu_count", "int", "visible GPUs"),
@@ -120,7 +127,7 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 1
+PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -154,6 +161,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",
                                     "trainable_params", "flops_per_token")),
     ("allocations", "int", "allocations in the fake run's trace"),
+    ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
+                                   "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "
+                                   "the steady step's (JSON list in order)"),
     ("predict_s", "float", "time this cell's prediction took (build + fake steps), s"),
     *_PROVENANCE,
     ("started_at", "str", "UTC time the prediction started (ISO 8601)"),

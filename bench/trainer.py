@@ -163,7 +163,8 @@ def stack_setup(uses: Uses) -> TrainSetup:
 def cell_batches(cell: Cell, setup: TrainSetup, vocab_size: int, device: str) -> list[data.Batch]:
     """This rank's batches for every step of the cell (warm-up first), seeded by the cell."""
     return data.batches(setup.data, vocab_size, cell.batch_size, cell.seq_len, cell.warmup_steps + cell.measure_steps,
-                        cell.seed, device, setup.min_doc_frac, distributed.rank(), distributed.world_size())
+                        cell.seed, device, setup.min_doc_frac, distributed.rank(), distributed.world_size(),
+                        setup.doc_order)
 
 
 def base_model(model_name: str, device: str, seed: int, setup: TrainSetup = BASELINE_SETUP) -> Any:

@@ -176,17 +176,20 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
     if cell.checkpoint != "none":
         out.update(_checkpoint(job.engine, cell.checkpoint, tracker, cell.device == "cuda"))
     out["optimizer_state_gib"] = measure.tensor_gib(job.engine.optimizer_state())
-    tokens_per_step = cell.batch_size * cell.seq_len  # this rank's; bench/ranks.py sums the ranks
-    useful = [b.useful_tokens for b in batches[cell.warmup_steps:]]
+    measured = batches[cell.warmup_steps:]
+    # this rank's positions (bench/ranks.py sums the ranks): batch_size * seq_len a step, unless batches
+    # are padded to their own longest document (dynamic_padding): then they vary from step to step
+    positions = sum(b.input_ids.numel() for b in measured)
+    useful = sum(b.useful_tokens for b in measured)
     measured_s = sum(step_s)
     return {
         "losses_json": json.dumps([round(x, 6) for x in losses]),
-        "tokens_per_step": tokens_per_step,
-        "useful_tokens_per_step": sum(useful) / len(useful),
+        "tokens_per_step": round(positions / len(measured)),
+        "useful_tokens_per_step": useful / len(measured),
         "measured_s": measured_s,
-        "tokens_per_s": tokens_per_step * len(step_s) / measured_s,
-        "useful_tokens_per_s": sum(useful) / measured_s,
-        "tokens_per_s_per_gpu": tokens_per_step * len(step_s) / measured_s,
+        "tokens_per_s": positions / measured_s,
+        "useful_tokens_per_s": useful / measured_s,
+        "tokens_per_s_per_gpu": positions / measured_s,
         **measure.step_time_stats(step_s),
     }
 
@@ -249,12 +252,13 @@ def _loop(job: trainer.Trainer, batches: list[data.Batch],
             start = _mark(cuda)
             losses.append(job.step(batch, tracker, stage))
             timings.append((start, _mark(cuda)))
-            continue
-        began = time.perf_counter()
-        losses.append(job.step(batch, tracker, stage))
-        if cuda:
-            torch.cuda.synchronize()
-        stage_s[stage] += time.perf_counter() - began
+        else:
+            began = time.perf_counter()
+            losses.append(job.step(batch, tracker, stage))
+            if cuda:
+                torch.cuda.synchronize()
+            stage_s[stage] += time.perf_counter() - began
+        tracker.step_done(stage, batch.input_ids.shape[-1])
     if cuda:
         torch.cuda.synchronize()
     step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]

@@ -62,7 +62,7 @@ def test_gpus_axis_ids_and_skip_reasons(tmp_path: Path) -> None:
     }
     eight = HostCaps(cuda_devices=8, packages=GPU_HOST.packages)
     reasons = [pc.skip_reason for pc in cells.plan(spec.get(tmp_path / "matrix.yaml", "a"), eight)]
-    assert reasons[2] == "2 GPUs need a sharding engine in the stack (fsdp, zero2, zero3): plain data parallel is not measured"
+    assert reasons[2] == "2 GPUs need a multi-GPU engine in the stack (ddp, fsdp, zero2, zero3)"
     assert reasons[3] is None
 
 

@@ -39,7 +39,7 @@ def test_packing_restarts_positions_at_each_document() -> None:
     assert any((b.position_ids == 0).sum() > 4 for b in data.batches("pack", 100, 4, 64, 5, 0, "cpu"))
 
 
-@pytest.mark.parametrize("layout", ["full", "pad", "pack"])
+@pytest.mark.parametrize("layout", ["full", "pad", "dynpad", "pack"])
 def test_ranks_split_the_global_batch(layout: str) -> None:
     """Two ranks at batch 1 see, between them, the tokens of one rank at batch 2."""
     whole = data.batches(layout, 100, 2, 32, 3, 7, "cpu")
@@ -78,3 +78,17 @@ def test_packed_documents_attend_only_to_themselves() -> None:
             leaked = model(input_ids=row).logits[:, 20:]  # no position_ids: one long causal sequence
         assert torch.allclose(packed, alone, atol=1e-5), attention
         assert not torch.allclose(leaked, alone, atol=1e-3)
+
+
+def test_dynamic_padding_pads_each_batch_to_its_longest_document() -> None:
+    shuffled = data.batches("dynpad", 1000, 3, 256, 60, 0, "cpu", min_doc_frac=0.1)
+    widths = [b.input_ids.shape[-1] for b in shuffled]
+    assert len(set(widths)) > 20 and max(widths) <= 256 and min(widths) >= 25  # shapes change step to step
+    for b in shuffled:
+        lengths = b.attention_mask.sum(dim=1)
+        assert int(lengths.max()) == b.input_ids.shape[-1]  # padded to its own longest document, no further
+        assert ((b.labels == data.IGNORE) == (b.attention_mask == 0)).all()
+    ascending = [b.input_ids.shape[-1] for b in data.batches("dynpad", 1000, 3, 256, 60, 0, "cpu", order="sorted")]
+    assert ascending == sorted(ascending) and ascending[0] < 64 and ascending[-1] > 240  # the staircase's order
+    again = data.batches("dynpad", 1000, 3, 256, 60, 0, "cpu", min_doc_frac=0.1)
+    assert all((a.input_ids == b.input_ids).all() for a, b in zip(shuffled, again, strict=True))  # seeded

@@ -1,4 +1,5 @@
-"""FSDP2 and multi-rank cells on the CPU: real fully_shard on gloo, two ranks under torchrun."""
+"""FSDP2, DDP and multi-rank cells on the CPU: real fully_shard and DistributedDataParallel on gloo, two
+ranks under torchrun."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ matrices:
     seq_lens: [64]
     batch_sizes: [1, 2]
     gpus: [1, 2]
-    stacks: [baseline, fsdp, fsdp(precision=mixed), zero3, "fsdp + fault(mode=oom, only_rank=1)"]
+    stacks: [baseline, fsdp, fsdp(precision=mixed), zero3, ddp, "gc + ddp", "fsdp + fault(mode=oom, only_rank=1)"]
     exclude: [{gpus: 1, batch_size: 1}, {gpus: 2, batch_size: 2}, {gpus: 1, stack: "fsdp + fault(mode=oom, only_rank=1)"}]
     steps: {warmup: 2, measure: 3}
     timeout_s: 240
@@ -73,6 +74,14 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     # Each rank holds half of the (bf16) Adam state: sharding is real.
     assert two["optimizer_state_gib"] == pytest.approx(rows[(1, "fsdp")]["optimizer_state_gib"] / 2, rel=0.05)
     assert json.loads(rows[(2, "fsdp(precision=mixed)")]["evidence_json"])["fsdp_master_dtype"] == "float32"
+
+    for key in ((1, "ddp"), (2, "ddp"), (2, "gc + ddp")):  # DDP: exact, every rank a whole replica
+        row = rows[key]
+        assert row["status"] == "ok", row["error"]
+        assert json.loads(row["losses_json"]) == pytest.approx(base, rel=1e-3), key
+        evidence = json.loads(row["evidence_json"])
+        assert evidence["ddp_world_size"] == key[0] and evidence["ddp_static_graph"] == ("gc" in key[1])
+        assert row["optimizer_state_gib"] == pytest.approx(rows[(1, "ddp")]["optimizer_state_gib"])  # nothing sharded
 
     for gpus in (1, 2):  # DeepSpeed under torchrun too: world size from torchrun, states partitioned
         zero = rows[(gpus, "zero3")]

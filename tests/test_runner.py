@@ -84,7 +84,8 @@ def test_shards_split_a_matrix_by_group_and_report_merges_them(workdir: Path) ->
 
 def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path) -> None:
     """gc recomputes the same math: same losses as baseline. LoRA trains a small fraction."""
-    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]"))
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]")
+                 .replace("stacks: [baseline, gc, lora, mixed]", "stacks: [baseline, gc, lora, mixed, dynamic_padding(order=sorted)]"))
     proc = run_bench(workdir, "run", "tiny", "--run-id", "t2", "--prefork", "on")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     by_stack = {r["stack"]: r for r in raw_rows(workdir, "t2").values()}
@@ -97,6 +98,14 @@ def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path)
     assert 0 < lora["trainable_params"] < 0.5 * lora["total_params"]
     assert by_stack["baseline"]["trainable_params"] == by_stack["baseline"]["total_params"]
     assert by_stack["mixed"]["weights_gib"] == pytest.approx(2 * by_stack["baseline"]["weights_gib"])
+    # dynamic padding: every step in the trace, its batch as long as its longest document, growing (sorted)
+    dynamic = by_stack["dynamic_padding(order=sorted)"]
+    trace = json.loads(dynamic["step_trace_json"])
+    assert [t["stage"] for t in trace] == ["first_step", "warmup", "measure", "measure", "measure"]
+    widths = [t["positions"] for t in trace]
+    assert widths == sorted(widths) and widths[-1] <= 32 and len(set(widths)) > 1
+    assert dynamic["tokens_per_step"] == round(2 * sum(widths[2:]) / 3) < 2 * 32
+    assert dynamic["useful_tokens_per_step"] <= dynamic["tokens_per_step"]
 
 
 FAULTS = """

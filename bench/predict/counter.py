@@ -85,6 +85,7 @@ class MemoryCounter(TorchDispatchMode):
         self.peak = Peak()
         self.steady_peak = Peak()  # the measured stage's
         self.phase_peaks: dict[str, int] = {}  # stage/phase -> the most bytes alive in it
+        self.phase_ends: dict[str, int] = {}  # stage/phase -> bytes alive when it ended
         self._forward_start = 0  # first record of the current forward pass
         self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
@@ -206,6 +207,7 @@ class MemoryCounter(TorchDispatchMode):
 
     def enter(self, where: str) -> None:
         self._settle()
+        self.phase_ends[self.where] = self.live_bytes
         before, self.where = self.where, where
         if where.endswith("/forward"):
             if before.endswith("/optimizer"):
@@ -221,6 +223,7 @@ class MemoryCounter(TorchDispatchMode):
     def finish(self) -> None:
         """After the last step: the optimizer's state of that step is known too."""
         self._settle()
+        self.phase_ends[self.where] = self.live_bytes
         if self.where.endswith("/optimizer"):
             self._mark(self.after_step(), "optimizer_state")
         self.where = "done"

@@ -25,6 +25,7 @@ a real run never builds. The data layout is known, so the answer is given (`_pac
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import traceback
@@ -91,7 +92,19 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "trainable_params": built.trainable_params,
         "flops_per_token": built.flops_per_token,
         "allocations": len(counter.records),
+        "phase_timeline_json": json.dumps(_timeline(counter)),
     }
+
+
+def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
+    """Allocated at the end of each phase, in order, and its peak within it (a phase that allocated
+    nothing, e.g. a steady optimizer step's in-place update, peaks where it began or ended)."""
+    out, before = [], 0
+    for where, end in counter.phase_ends.items():
+        peak = max(counter.phase_peaks.get(where, 0), before, end)
+        out.append({"phase": where, "end_allocated_gib": end / measure.GIB, "peak_allocated_gib": peak / measure.GIB})
+        before = end
+    return out
 
 
 def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True) -> tuple[MemoryCounter, trainer.Built, float]:
@@ -128,11 +141,13 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
 
 
 def _cell_batches(cell: Cell, built: trainer.Built) -> list[data.Batch]:
-    """The cell's real batches on the CPU, each field its own storage, as after `.to("cuda")`
-    (on the CPU, `.to` keeps input_ids and labels in one)."""
+    """The batches of the steps run (STAGES), real, on the CPU, each field its own storage, as after
+    `.to("cuda")` (on the CPU, `.to` keeps input_ids and labels in one): the first, and the widest of
+    the others (they differ only with dynamic padding, where the widest sets the peak allocated)."""
+    first, *rest = trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")
+    chosen = [first, max(rest, key=lambda b: b.input_ids.shape[-1])] if rest else [first]
     return [data.Batch(*(t.clone() if t is not None else None for t in
-                         (b.input_ids, b.labels, b.attention_mask, b.position_ids)))
-            for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
+                         (b.input_ids, b.labels, b.attention_mask, b.position_ids))) for b in chosen]
 
 
 def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:

@@ -44,8 +44,9 @@ class TrainSetup:
     engine: str = "plain"  # plain | deepspeed | fsdp: a module of bench/engines/ that owns backward, step, save
     cpu_offload: bool = False  # the engine keeps sharded state in host RAM (FSDP reads it; DeepSpeed gets a fragment)
     micro_batches: int = 1  # forward/backward passes per optimizer step (gradient accumulation)
-    data: str = "full"  # full | pad | pack: batch layout (bench/data.py)
-    min_doc_frac: float = 0.1  # pad / pack: shortest document, as a fraction of seq_len
+    data: str = "full"  # full | pad | dynpad | pack: batch layout (bench/data.py)
+    min_doc_frac: float = 0.1  # pad / dynpad / pack: shortest document, as a fraction of seq_len
+    doc_order: str = "shuffled"  # dynpad: documents in drawn order, or sorted by length (ascending)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""DDP (`torch.nn.parallel.DistributedDataParallel`) as the cell's engine: the multi-GPU baseline
+people try before FSDP or ZeRO.
+
+Every rank holds the whole model, its gradients and its optimizer state; backward all-reduces the
+gradients in buckets while it runs. The optimizer is the stack's, on the whole model, as with
+`plain`. Checkpoints are those of the plain engine, written by rank 0 only (every rank holds the same).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import distributed
+from ..techniques.base import Evidence
+from .base import EngineJob
+from .plain import PlainEngine, make_optimizer
+
+
+class DdpEngine(PlainEngine):
+    """Trains like plain PyTorch through the DDP wrapper; rank 0 saves the wrapped model."""
+
+    def save(self, kind: str, directory: Path) -> None:
+        import torch
+
+        if torch.distributed.get_rank() == 0:
+            PlainEngine(self.model.module, self.optimizer).save(kind, directory)
+        torch.distributed.barrier()
+
+
+def wrap(job: EngineJob) -> tuple[DdpEngine, Evidence]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    cuda = job.cell.device == "cuda"
+    distributed.init(cuda)
+    opts = job.options_of("ddp")
+    model = DistributedDataParallel(job.model, device_ids=[distributed.local_rank()] if cuda else None,
+                                    bucket_cap_mb=opts["bucket_mb"], gradient_as_bucket_view=opts["bucket_view"],
+                                    static_graph=_checkpointed(job))
+    evidence = {
+        "ddp_world_size": torch.distributed.get_world_size(),
+        "ddp_bucket_mb": opts["bucket_mb"],
+        "ddp_gradient_as_bucket_view": opts["bucket_view"],
+        "ddp_static_graph": _checkpointed(job),
+    }
+    return DdpEngine(model, make_optimizer(list(job.trainable), job.setup, job.uses)), evidence
+
+
+def _checkpointed(job: EngineJob) -> bool:
+    """Reentrant activation checkpointing runs a layer's backward outside DDP's autograd hooks: DDP
+    then needs `static_graph` to know every parameter's gradient arrives exactly once."""
+    return any(technique.name == "gc" for technique, _ in job.uses)
+
+
