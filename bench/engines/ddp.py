@@ -9,7 +9,6 @@ gradients in buckets while it runs. The optimizer is the stack's, on the whole m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from .. import distributed
 from ..techniques.base import Evidence
