@@ -85,7 +85,8 @@ def test_shards_split_a_matrix_by_group_and_report_merges_them(workdir: Path) ->
 def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path) -> None:
     """gc recomputes the same math: same losses as baseline. LoRA trains a small fraction."""
     stacks = "stacks: [baseline, gc, lora, mixed, dynamic_padding(order=sorted)]"
-    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]").replace("stacks: [baseline, gc, lora, mixed]", stacks))
+    matrix = TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [2]")
+    write_matrix(workdir, matrix.replace("stacks: [baseline, gc, lora, mixed]", stacks))
     proc = run_bench(workdir, "run", "tiny", "--run-id", "t2", "--prefork", "on")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     by_stack = {r["stack"]: r for r in raw_rows(workdir, "t2").values()}
