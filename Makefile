@@ -4,6 +4,7 @@
 # make test      CPU tests (all; CI)        make test-fast  the inner loop: no real worker processes
 # make lint      ruff + mypy
 # make fit       fit frontier: MATRIX=fit3b BUDGETS=24,40,80 (GPU)
+# make scenarios  results/SCENARIOS.md: the field reports answered from the published tables
 # make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
@@ -24,7 +25,7 @@ REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
 LLAMA3B_RUN ?= llama3b-h100-20261122
 
-.PHONY: install bench list report fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
+.PHONY: install bench list report scenarios fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
 
 install:
 	python3 -m venv $(VENV)
@@ -51,6 +52,9 @@ fit:  # largest batch / sequence per stack under each memory budget (GiB), e.g. 
 
 predict:
 	$(PY) -m bench predict $(MATRIX) $(ARGS)
+
+scenarios:
+	$(PY) -m bench scenarios
 
 predict-gate:  # a torch / transformers / peft release that changes training memory, caught on a CPU
 	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict regress --run-id $(PREDICT_GATE_RUN) --redo $(ARGS)
@@ -85,10 +89,18 @@ regress:
 regress-benchmark:  # pytest-benchmark view: regress on a GPU (smoke on CPU), saved under .benchmarks/
 	$(REGRESS_PY) -m pytest benchmarks --benchmark-autosave $(ARGS)
 
-gpu-backlog:  # each step resumes where it stopped; bring back results/gpu-backlog.tgz, then `make report`s
-	$(PY) -m pytest -q -m gpu
-	$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN) --only '*_s2048_b2_*'
-	$(PY) -m bench run save3b
-	$(PY) -m bench fit fit3b --budgets $(BUDGETS)
-	$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN)
+gpu-backlog:  # each step resumes where it stopped, and a step with failed cells does not stop the next; bring back results/gpu-backlog.tgz, then `make report`s
+	-$(PY) -m pytest -q -m gpu
+	-$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN) --only '*_s2048_b2_*'
+	# the field reports (results/SCENARIOS.md): 8B phase by phase, the staircase, the saves, the 4k cache
+	-$(PY) -m bench run llama8b
+	-$(PY) -m bench run staircase
+	-$(PY) -m bench run save3b
+	-$(PY) -m bench run save3b-model
+	-$(PY) -m bench run save8b
+	-$(PY) -m bench run save8b-model
+	-$(PY) -m bench run axolotl3b
+	-$(PY) -m bench run playbook
+	-$(PY) -m bench fit fit3b --budgets $(BUDGETS)
+	-$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN)
 	tar czf results/gpu-backlog.tgz results/raw

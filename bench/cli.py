@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import cells, compare, envinfo, fit, fitreport, overhead, prebuild, report, results, runner, spec
+from . import cells, compare, envinfo, fit, fitreport, overhead, prebuild, report, results, runner, scenarios, spec
 from .predict import gpus
 from .predict import report as predict_report
 from .predict import runner as predict_runner
@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tps-z", type=float, default=gate.tps_z, help="tokens/s band in standard errors")
     cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
     cmp.set_defaults(func=cmd_compare)
+
+    scen = sub.add_parser("scenarios", help="answer the field reports from the published tables: results/SCENARIOS.md")
+    scen.set_defaults(func=cmd_scenarios)
 
     pred = sub.add_parser("predict", help="predict each cell's peak allocated GPU memory on a CPU (fake tensors)")
     pred.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
@@ -249,6 +252,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     return 1 if any(d.verdict == "regression" for d in diffs) else 0
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    print(f"scenarios: {scenarios.publish(args.results_dir, args.matrix_file)}")
+    return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:

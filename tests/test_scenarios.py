@@ -1,0 +1,42 @@
+"""results/SCENARIOS.md: the field reports answered from the published tables, figures labelled by source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import results, scenarios
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_report_gets_a_section_and_an_answer_from_the_published_tables() -> None:
+    text = scenarios.markdown(scenarios.Sources(REPO / "results", REPO / "matrix.yaml"))
+    for title in ("## 1. 3B at 4k context", "## 2. 8B full fine-tune", "## 3. Memory climbs in steps",
+                  "## 4. OOM when saving", "## 5. The generic playbook"):
+        section = text.split(title)[1].split("\n## ")[0]
+        assert "**Answer:**" in section, title
+    assert "never edited by hand" in text and "(predicted)" in text and "(measured)" in text
+    # the H100 run measured gc at seq 4096, batch 4 (llama3b): the page shows that row, bold
+    assert "| `gc` | **25.5** | **31.3** |" in text
+
+
+def _row(cell: str, status: str, peak: float | None, **extra: object) -> dict:
+    return {"schema_version": 6, "run_id": "r", "cell_id": cell, "status": status, "device": "cuda",
+            "peak_allocated_gib": peak, "started_at": "2026-11-23T00:00:00+00:00", **extra}
+
+
+def test_a_measured_figure_wins_and_an_oom_gives_way_to_the_prediction_of_what_it_needs(tmp_path: Path) -> None:
+    results_dir = tmp_path / "results"
+    planned = scenarios.Sources(results_dir, REPO / "matrix.yaml").planned("playbook")
+    ok_cell, oom_cell, predicted_only = planned[0], planned[1], planned[2]
+    results.write_parquet([_row(ok_cell.cell_id, "ok", 28.0), _row(oom_cell.cell_id, "oom", 70.0)],
+                          results_dir / "playbook" / "runs" / "r.parquet")
+    results.write_parquet([{**_row(c.cell_id, "ok", p), "prediction_method": "fake-run/1"} for c, p in
+                           ((ok_cell, 27.0), (oom_cell, 90.0), (predicted_only, 40.0))],
+                          results_dir / "playbook" / "predicted" / "p.parquet", table=results.PREDICTED)
+    sources = scenarios.Sources(results_dir, REPO / "matrix.yaml")
+    assert sources.figure(ok_cell).cell() == "**28.0**" and sources.figure(ok_cell).quote() == "**28.0 GiB** (measured)"
+    assert sources.figure(oom_cell).cell() == "**OOM**"
+    assert sources.figure(oom_cell, number=True).quote() == "*90.0 GiB* (predicted)"  # not the 70 it reached
+    assert sources.figure(predicted_only).cell() == "*40.0*"
+    assert sources.figure(planned[3]).cell() == "–"
