@@ -47,14 +47,14 @@ class Figure:
 
     def quote(self, value: float | None = None) -> str:
         """A figure in an answer, marked as in the tables: **measured** or *predicted*."""
-        shown = f"{gib(self.gib() if value is None else value)} GiB"
+        shown = f"{_gib(self.gib() if value is None else value)} GiB"
         return f"**{shown}** (measured)" if self.source == "measured" else f"*{shown}* (predicted)"
 
     def cell(self, column: str = "peak_allocated_gib") -> str:
         """`**12.34**` measured, `*12.34*` predicted (`> card` where it cannot fit), OOM, n/p or –."""
         if self.source == "measured":
             status = self.row["status"] if self.row else ""
-            return f"**{gib(self.gib(column))}**" if status == "ok" else f"**{str(status).upper()}**"
+            return f"**{_gib(self.gib(column))}**" if status == "ok" else f"**{str(status).upper()}**"
         if self.source == "predicted":
             value = self.gib(column)
             over = " > card" if value is not None and value > float(CARD.memory_gib or 0) else ""
@@ -281,9 +281,9 @@ def saves(sources: Sources) -> list[str]:
             if figure.source != "measured" or not figure.row:
                 continue
             r, found = figure.row, found + 1
-            lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {gib(r.get('peak_reserved_gib'))} | "
-                         f"{gib(r.get('checkpoint_peak_reserved_gib'))} | {gib(r.get('host_rss_peak_gib'))} | "
-                         f"{_seconds(r.get('checkpoint_s'))} | {gib(r.get('checkpoint_disk_gib'))} |")
+            lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {_gib(r.get('peak_reserved_gib'))} | "
+                         f"{_gib(r.get('checkpoint_peak_reserved_gib'))} | {_gib(r.get('host_rss_peak_gib'))} | "
+                         f"{_seconds(r.get('checkpoint_s'))} | {_gib(r.get('checkpoint_disk_gib'))} |")
     if not found:
         return [*lines[:-2], "**Answer:** not yet: no save cell has run on a GPU (the GPU backlog, item 3); a save is "
                 "not predicted (the fake run stops at the optimizer step).", ""]
@@ -308,6 +308,11 @@ def playbook(sources: Sources) -> list[str]:
             f"hold; mixed precision (fp32 weights, bf16 autocast) needs {mixed.quote()} against pure bf16's "
             f"{pure.quote()} at batch 2. DDP keeps a whole replica per GPU: its cells need the GPUs (not predicted "
             "yet).", ""]
+
+
+def _gib(x: Any) -> str:
+    """gib() where a figure may be missing (a CPU row, a column added since): empty."""
+    return gib(float(x)) if x is not None and not pd.isna(x) else ""
 
 
 def _seconds(x: Any) -> str:
