@@ -134,20 +134,25 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     job = trainer.wrap(cell, built)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
-    for stage, batch in zip(STAGES, batches, strict=False):
+    for stage, batch in zip(STAGES, _stepped(batches), strict=False):
         job.step(batch, counter, stage)
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 
 
 def _cell_batches(cell: Cell, built: trainer.Built) -> list[data.Batch]:
-    """The batches of the steps run (STAGES), real, on the CPU, each field its own storage, as after
-    `.to("cuda")` (on the CPU, `.to` keeps input_ids and labels in one): the first, and the widest of
-    the others (they differ only with dynamic padding, where the widest sets the peak allocated)."""
-    first, *rest = trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")
-    chosen = [first, max(rest, key=lambda b: b.input_ids.shape[-1])] if rest else [first]
+    """Every step's batch, real, on the CPU, each field its own storage, as after `.to("cuda")` (on
+    the CPU, `.to` keeps input_ids and labels in one): the worker moves them all to the GPU first."""
     return [data.Batch(*(t.clone() if t is not None else None for t in
-                         (b.input_ids, b.labels, b.attention_mask, b.position_ids))) for b in chosen]
+                         (b.input_ids, b.labels, b.attention_mask, b.position_ids)))
+            for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
+
+
+def _stepped(batches: list[data.Batch]) -> list[data.Batch]:
+    """The batches of the steps run (STAGES): the first, and the widest of the others (they differ only
+    with dynamic padding, where the widest sets the peak allocated)."""
+    first, *rest = batches
+    return [first, max(rest, key=lambda b: b.input_ids.shape[-1])] if rest else [first]
 
 
 def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
