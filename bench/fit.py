@@ -116,8 +116,8 @@ class MeasuredProbes:
 @dataclass
 class PredictedProbes:
     """Each probe a prediction (bench predict's fake run, one per cell whatever the budget): a cell
-    "fits" a budget when its predicted peak allocated is within it. Reserved-memory overhead and the
-    CUDA context are not modelled yet, so a predicted frontier is an upper bound of what fits."""
+    "fits" a budget when its predicted device peak (reserved + the context) is within it, or its peak
+    allocated where reserved memory is not modelled (expandable_segments: then an upper bound)."""
 
     matrix: MatrixSpec
     opts: PredictOptions
@@ -139,7 +139,8 @@ class PredictedProbes:
         found = self.predicted[plain.cell_id]
         status = found["status"]
         if status == "ok":
-            status = "ok" if found["peak_allocated_gib"] <= (cell.budget_gib or float("inf")) else "oom"
+            needed = found.get("device_peak_gib") or found["peak_allocated_gib"]
+            status = "ok" if needed <= (cell.budget_gib or float("inf")) else "oom"
         self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}
         return ran
 
@@ -221,7 +222,7 @@ class FrontierRun:
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
             **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
-                                        "allocator_cap_gib")},
+                                        "allocator_cap_gib", "device_peak_gib")},
         }
 
 

@@ -82,19 +82,21 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              f"(`bench predict`, method {first['prediction_method']}) for {gpu_name}, on {first['cpu_name']} with torch "
              f"{first['torch_version']}, transformers {first['transformers_version']}; {len(predictions)} cells predicted "
              f"in {predictions['predict_s'].sum() / 60:.1f} min.",
-             "- A cell fits a budget when its predicted peak allocated is within it. Not modelled yet: the caching "
-             "allocator's reserved-memory overhead (fragmentation; up to ~20% on the published H100 runs) and the CUDA "
-             "context, so read each frontier as an upper bound of what fits.",
+             "- A cell fits a budget when its predicted device peak is within it: the fake run's allocations replayed "
+             "through a model of the caching allocator (peak reserved, fragmentation included) plus what the GPU kind "
+             "keeps outside torch (the CUDA context, measured). Where reserved memory is not modelled "
+             "(expandable_segments), peak allocated decides: an upper bound of what fits.",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
-                  "| model | stack | largest batch | predicted peak allocated GiB there | headroom GiB "
+                  "| model | stack | largest batch | predicted device peak GiB there | headroom GiB "
                   "| smallest that does not fit |",
                   "|---|---|---|---|---|---|"]
         for _, r in group.sort_values(["model", "largest_ok"], ascending=[True, False], na_position="last").iterrows():
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
-            peak = gib(r["peak_allocated_gib"]) if pd.notna(r["peak_allocated_gib"]) else ""
-            lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, r['peak_allocated_gib'])} | "
+            needed = r.get("device_peak_gib") if pd.notna(r.get("device_peak_gib")) else r["peak_allocated_gib"]
+            peak = gib(needed) if pd.notna(needed) else ""
+            lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, needed)} | "
                          f"{_int(r['smallest_oom'])} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]

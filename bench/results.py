@@ -127,7 +127,7 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json
+PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -156,8 +156,15 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("at_peak_temporaries_gib", "float", "at the predicted peak: everything else (backward's intermediates, scratch), GiB"),
     ("at_peak_inputs_gib", "float", "at the predicted peak: the batches (all steps', as on the GPU), GiB"),
     ("at_peak_workspace_gib", "float", "at the predicted peak: cuBLAS workspaces (per GPU kind), GiB"),
-    ("headroom_gib", "float", "gpu_memory_gib - peak_allocated_gib: reserved-memory overhead and the CUDA "
-                              "context are not included yet (negative: does not fit), GiB"),
+    ("peak_reserved_gib", "float", "PREDICTED peak reserved: the fake run's allocations and frees replayed through "
+                                   "a model of the caching allocator (bench/predict/allocator.py), bounded by the card "
+                                   "where it is known; empty with expandable_segments (not modelled), GiB"),
+    ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
+                                 "outside torch (CUDA context; measured per kind), GiB"),
+    ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
+                     "allocator OOM; empty where the card or its context is not known"),
+    ("headroom_gib", "float", "gpu_memory_gib - device_peak_gib (where known, else - peak_allocated_gib: then "
+                              "reserved memory and the context are not counted), GiB; negative: does not fit"),
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",
                                     "trainable_params", "flops_per_token")),
     ("allocations", "int", "allocations in the fake run's trace"),

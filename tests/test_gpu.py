@@ -66,3 +66,34 @@ def test_budget_caps_the_allocator(workdir: Path) -> None:
     assert small and all(r["status"] == "oom" for r in small)  # 1B bf16 + AdamW state alone is ~7.5 GiB
     big = [r for r in rows if r["budget_gib"] == 40 and r["status"] == "ok"]
     assert big and all(r["peak_reserved_gib"] <= r["allocator_cap_gib"] < 40 for r in big)
+
+
+ALLOCATOR_TRACE = """
+import json, random, torch
+rng = random.Random(0)
+sizes = [512 * rng.randint(1, 2048) for _ in range(300)] + [2**20 * rng.randint(1, 300) for _ in range(200)]
+live, events = {}, []
+for i in range(3000):  # a random walk of allocations and frees: small, medium and large requests
+    if live and (rng.random() < 0.45 or len(live) > 60):
+        key = rng.choice(sorted(live))
+        events.append(("free", key, live.pop(key).untyped_storage().nbytes()))
+    else:
+        nbytes = rng.choice(sizes)
+        live[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        events.append(("malloc", i, -(-nbytes // 512) * 512))
+print(json.dumps({"events": events, "peak_reserved": torch.cuda.max_memory_reserved()}))
+"""
+
+
+def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reserves() -> None:
+    """The same random trace of allocations and frees, on this GPU and through bench/predict/allocator.py."""
+    import json
+    import subprocess
+    import sys
+
+    from bench.predict import allocator
+
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_TRACE], capture_output=True, text=True, check=True)
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    events = [tuple(e) for e in measured["events"]]
+    assert allocator.replay(events).peak_reserved_bytes == measured["peak_reserved"]

@@ -1,4 +1,4 @@
-"""One cell's training step on fake tensors: its predicted peak allocated memory on a GPU.
+"""One cell's training step on fake tensors: its predicted peak allocated and reserved memory on a GPU.
 
 The build is the worker's (bench/trainer.py), so what is predicted is what would be measured:
 
@@ -10,7 +10,10 @@ The build is the worker's (bench/trainer.py), so what is predicted is what would
    need real lengths), then copied into fake tensors, all of them alive as on the GPU;
 4. two steps run under the MemoryCounter: the first (the optimizer's state appears lazily in it)
    and one steady step, standing for every warm-up and measured step: with fake tensors every
-   step after the first allocates exactly the same.
+   step after the first allocates exactly the same (with dynamic padding: the widest batch);
+5. the counter's trace of allocations and frees is replayed through a model of the caching
+   allocator (bench/predict/allocator.py): peak reserved, and, for a GPU kind whose capacity and
+   context are known, the device's peak and whether the cell fits.
 
 Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flash attention for
 CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
@@ -35,6 +38,7 @@ from typing import Any
 
 from .. import data, measure, trainer
 from ..cells import Cell
+from . import allocator
 from .counter import MemoryCounter, Workspaces
 from .gpus import GpuKind
 
@@ -80,6 +84,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes))
     at_peak = counter.breakdown(counter.peak)
     return {
+        **_reserved(cell, counter, gpu),
         "peak_allocated_gib": counter.peak.nbytes / measure.GIB,
         "steady_peak_allocated_gib": counter.steady_peak.nbytes / measure.GIB,
         "peak_phase": counter.peak.where,
@@ -94,6 +99,26 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
     }
+
+
+def _reserved(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
+    """The trace replayed through the caching allocator's model: peak reserved, and, where the card's
+    capacity and what lives outside torch are known, the device's peak and whether the cell fits (the
+    allocator releases its cache and retries before it gives up, so a replay bounded by the card can
+    fit where the unbounded one reserves more than the card)."""
+    if "expandable_segments" in cell.stack.names:
+        return {}  # segments that grow in place: not modelled (bench/predict/allocator.py)
+    events = allocator.trace(counter.records)
+    needed = allocator.replay(events).peak_reserved_bytes / measure.GIB
+    out: dict[str, Any] = {"peak_reserved_gib": needed}
+    if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
+        capacity = int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB)
+        bounded = allocator.replay(events, capacity)
+        out["fits"] = bounded.oom_at is None
+        if out["fits"]:
+            out["peak_reserved_gib"] = bounded.peak_reserved_bytes / measure.GIB
+        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
+    return out
 
 
 def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
 from . import gpus
 
-METHOD = "fake-run/1"  # bump when what a prediction counts changes
+METHOD = "fake-run/2"  # bump when what a prediction counts changes (2: reserved memory replayed)
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,13 @@ class PredictOptions:
     gpu_memory_gib: float | None  # the card's memory (None: the GPU kind's measured capacity, if known)
     jobs: int = 1
     redo: bool = False  # predict again cells the run already has
+
+    @property
+    def card(self) -> gpus.GpuKind:
+        """The GPU kind, with --gpu-memory-gib as its capacity where given."""
+        if self.gpu_memory_gib is None:
+            return self.gpu
+        return dataclasses.replace(self.gpu, memory_gib=self.gpu_memory_gib)
 
 
 def plan(matrix: MatrixSpec, only: str | None) -> list[PlannedCell]:
@@ -81,18 +88,18 @@ def _predictions(runnable: list[Cell], opts: PredictOptions) -> Any:
         from .fake import predict_cell
 
         for cell in runnable:
-            yield cell, predict_cell(cell, opts.gpu)
+            yield cell, predict_cell(cell, opts.card)
         return
     with ProcessPoolExecutor(max_workers=opts.jobs, mp_context=get_context("spawn")) as pool:
-        found = pool.map(_predict_in_worker, [(c.to_json(), opts.gpu.key) for c in runnable])
+        found = pool.map(_predict_in_worker, [(c.to_json(), opts.card) for c in runnable])
         yield from zip(runnable, found, strict=True)
 
 
-def _predict_in_worker(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
+def _predict_in_worker(job: tuple[dict[str, Any], gpus.GpuKind]) -> dict[str, Any]:
     from .fake import predict_cell
 
-    cell_json, gpu_key = job
-    return predict_cell(Cell.from_json(cell_json), gpus.get(gpu_key))
+    cell_json, card = job
+    return predict_cell(Cell.from_json(cell_json), card)
 
 
 def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: dict[str, Any], raw_dir: Path,
@@ -114,8 +121,9 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
                      f"--only '{cell.cell_id}' --redo",
         **found,
     }
-    if memory is not None and row.get("peak_allocated_gib") is not None:
-        row["headroom_gib"] = memory - row["peak_allocated_gib"]
+    peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
+    if memory is not None and peak is not None:
+        row["headroom_gib"] = memory - peak
     results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
     report(cell, row)
     return row

@@ -1,0 +1,65 @@
+"""The caching allocator's model (bench/predict/allocator.py) on traces whose answer is known by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.predict import allocator
+
+MIB = 1 << 20
+
+
+def _reserved(*events: tuple[str, int, float], capacity_mib: float | None = None) -> allocator.Replay:
+    capacity = None if capacity_mib is None else int(capacity_mib * MIB)
+    return allocator.replay([(kind, ident, int(mib * MIB)) for kind, ident, mib in events], capacity)
+
+
+def test_small_requests_share_2_mib_segments() -> None:
+    four = [("malloc", i, 0.5) for i in range(4)]
+    assert _reserved(*four).peak_reserved_bytes == 2 * MIB
+    assert _reserved(*four, ("malloc", 9, 0.5)).peak_reserved_bytes == 4 * MIB
+
+
+def test_medium_requests_share_20_mib_segments_and_large_ones_round_to_2_mib() -> None:
+    assert _reserved(*[("malloc", i, 5) for i in range(4)]).peak_reserved_bytes == 20 * MIB
+    assert _reserved(*[("malloc", i, 5) for i in range(5)]).peak_reserved_bytes == 40 * MIB
+    assert _reserved(("malloc", 0, 100 + 3 / 1024)).peak_reserved_bytes == 102 * MIB
+
+
+def test_a_freed_block_is_reused_but_blocks_of_two_segments_never_merge() -> None:
+    state = _reserved(("malloc", 0, 12), ("malloc", 1, 12), ("free", 0, 12),
+                      ("malloc", 2, 14),  # the 12 MiB hole does not hold it: a third segment
+                      ("free", 1, 12),
+                      ("malloc", 3, 24))  # two free 12 MiB segments side by side are not 24 contiguous MiB
+    assert state.peak_reserved_bytes == (12 + 12 + 14 + 24) * MIB
+    reuse = _reserved(("malloc", 0, 12), ("free", 0, 12), ("malloc", 1, 11))  # best fit: the cached block
+    assert reuse.peak_reserved_bytes == 12 * MIB
+
+
+def test_a_large_block_is_split_only_when_more_than_1_mib_is_left() -> None:
+    whole = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 19.5), ("malloc", 2, 0.5))
+    assert whole.peak_reserved_bytes == (20 + 2) * MIB  # 0.5 MiB left in the large block is not split off
+    split = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 12), ("malloc", 2, 6))
+    assert split.peak_reserved_bytes == 20 * MIB  # 8 MiB left: split, and the 6 MiB request fits there
+
+
+def test_before_an_oom_the_cache_is_released_and_the_request_retried() -> None:
+    retried = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), capacity_mib=40)
+    assert retried.oom_at is None and retried.reserved_bytes == 30 * MIB
+    failed = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), ("malloc", 2, 20), capacity_mib=40)
+    assert failed.oom_at == 3
+    assert _reserved(("malloc", 0, 30), capacity_mib=40).oom_at is None
+
+
+def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:
+    from bench.predict.counter import Record
+
+    records = [Record(1024, 0, "x", "a", freed=2), Record(1024, 2, "x", "add"), Record(512, 3, "x", "b", freed=3),
+               Record(512, -1, "x", "never")]
+    assert allocator.trace(records) == [("malloc", 0, 1024), ("free", 0, 1024), ("malloc", 1, 1024)]
+
+
+@pytest.mark.parametrize("nbytes", [512, MIB, MIB + 512, 10 * MIB - 512, 10 * MIB, 10 * MIB + 1])
+def test_segment_sizes(nbytes: int) -> None:
+    expected = 2 * MIB if nbytes <= MIB else 20 * MIB if nbytes < 10 * MIB else 12 * MIB if nbytes > 10 * MIB else 10 * MIB
+    assert allocator.segment_size(nbytes) == expected
