@@ -127,7 +127,8 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits
+PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+# alloc_retries, step_trace_json
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -163,6 +164,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                  "outside torch (CUDA context; measured per kind), GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
                      "allocator OOM; empty where the card or its context is not known"),
+    ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "
+                             "cache to retry (measured: num_alloc_retries); each costs a device synchronisation"),
     ("headroom_gib", "float", "gpu_memory_gib - device_peak_gib (where known, else - peak_allocated_gib: then "
                               "reserved memory and the context are not counted), GiB; negative: does not fit"),
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",
@@ -171,6 +174,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "
                                    "the steady step's (JSON list in order)"),
+    ("step_trace_json", "str", "PREDICTED after each step run: its stage, positions per row, allocated_gib and "
+                               "reserved_gib (the allocator's model); every step with dynamic_padding, else the first "
+                               "and one steady step (JSON list)"),
     ("predict_s", "float", "time this cell's prediction took (build + fake steps), s"),
     *_PROVENANCE,
     ("started_at", "str", "UTC time the prediction started (ISO 8601)"),

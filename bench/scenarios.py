@@ -127,7 +127,7 @@ def grid(sources: Sources, planned: list[cells.Cell], column: str = "peak_alloca
     lines = []
     for (model, seq), group in _groups(planned, lambda c: (c.model, c.seq_len)):
         batches = sorted({c.batch_size for c in group})
-        lines += [f"`{model}`, seq {seq} — peak allocated GiB:", "",
+        lines += [f"`{model}`, seq {seq} — {column.removesuffix('_gib').replace('_', ' ')} GiB:", "",
                   "| stack | " + " | ".join(f"b{b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
         for stack, row_cells in _groups(group, lambda c: c.stack.label):
             by_batch = {c.batch_size: sources.figure(c).cell(column) for c in row_cells}
@@ -236,9 +236,10 @@ def staircase(sources: Sources) -> list[str]:
              "longer batches arrive. Fixes suggested: expandable_segments, packing, gc, 8-bit + LoRA + gradient "
              "accumulation, FSDP.", "",
              "Matrix `staircase`: 50 measured steps; `dynamic_padding` pads each batch to its own longest document "
-             "(shuffled, or sorted so every batch is at least as long as the last). A prediction is the peak "
-             "allocated of the widest batch; the stairs are *reserved* memory, step by step (`step_trace_json`), "
-             "which only a GPU run records.", "", *grid(sources, planned)]
+             "(shuffled, or sorted so every batch is at least as long as the last). The stairs are *reserved* memory, "
+             "step by step (`step_trace_json`): measured on a GPU, or predicted by replaying every step's fake run "
+             "through the caching allocator's model, bounded by the card.", "", *grid(sources, planned),
+             *grid(sources, planned, "peak_reserved_gib")]
     lines += _stairs(sources, planned)
     dynamic = _find(planned, "llama-3.1-8b", 4096, 1, "gc + dynamic_padding")
     padded = _find(planned, "llama-3.1-8b", 4096, 1, "gc + padding")
@@ -246,25 +247,36 @@ def staircase(sources: Sources) -> list[str]:
     a, b = fa.gib(), fb.gib()
     if a is None or b is None:
         return [*lines, "**Answer:** not yet: neither measured nor predicted.", ""]
-    return [*lines, f"**Answer:** padding each batch to its longest document does not lower the peak: its widest "
-            f"batch needs {fa.quote()} against {fb.quote()} padded to 4096 ({(a - b) / b:+.1%}); it saves compute "
-            "on short batches. What climbs is the allocator's cache (reserved), which keeps each new longest "
-            "batch's blocks: the measured trace of the GPU run shows each stair.", ""]
+    ra, rb = fa.gib("peak_reserved_gib"), fb.gib("peak_reserved_gib")
+    reserved = (f" What climbs is the allocator's cache: reserved peaks at {fa.quote(ra)} against {fb.quote(rb)} "
+                "for full-length padding, because each new longest batch needs blocks no cached one holds; near the "
+                "card the allocator frees its cache and retries (each retry a device synchronisation) rather than "
+                "fail." if ra is not None and rb is not None else "")
+    return [*lines, f"**Answer:** padding each batch to its longest document does not lower the peak allocated: its "
+            f"widest batch needs {fa.quote()} against {fb.quote()} padded to 4096 ({(a - b) / b:+.1%}); it saves "
+            f"compute on short batches.{reserved}", ""]
 
 
 def _stairs(sources: Sources, planned: list[cells.Cell]) -> list[str]:
-    """For measured cells: how often reserved memory rose over the run, and from where to where."""
-    lines = []
+    """Reserved memory step by step (the measured trace, else the predicted one: the fake run replayed
+    through the allocator's model, bounded by the card): how often it rose, from where to where."""
+    lines = ["| stack | batch | steps | reserved rose at | reserved GiB, first → last step | allocator retries |",
+             "|---|---|---|---|---|---|"]
     for cell in planned:
-        figure = sources.figure(cell)
-        trace = figure.row.get("step_trace_json") if figure.source == "measured" and figure.row else None
-        if not trace or pd.isna(trace):
+        figure = sources.figure(cell, number=True)
+        trace = figure.row.get("step_trace_json") if figure.row else None
+        if not trace or pd.isna(trace) or "dynamic_padding" not in cell.stack.names:
             continue
         reserved = [t["reserved_gib"] for t in json.loads(trace) if t["reserved_gib"] is not None]
+        if not reserved:
+            continue
         rises = sum(1 for x, y in itertools.pairwise(reserved) if y > x)
-        lines.append(f"- `{cell.stack.label}` (measured): reserved rose at {rises} of {len(reserved) - 1} steps, "
-                     f"{gib(reserved[0])} → {gib(reserved[-1])} GiB")
-    return [*lines, ""] if lines else []
+        mark = (lambda v: f"**{v}**") if figure.source == "measured" else (lambda v: f"*{v}*")
+        retries = figure.row.get("alloc_retries") if figure.row else None
+        lines.append(f"| `{cell.stack.label}` | {cell.batch_size} | {len(reserved)} | {mark(rises)} steps | "
+                     f"{mark(_gib(reserved[0]))} → {mark(_gib(reserved[-1]))} | "
+                     f"{mark(int(retries)) if retries is not None and not pd.isna(retries) else ''} |")
+    return [*lines, ""] if len(lines) > 2 else []
 
 
 def saves(sources: Sources) -> list[str]:

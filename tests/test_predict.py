@@ -3,6 +3,9 @@ and says what it cannot predict."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -105,14 +108,18 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
-    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/1"
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/2"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
     assert rows[("zero2", 1)]["status"] == "unsupported"
     assert rows[("zero2", 1)]["unsupported_reason"].startswith("zero2: the DeepSpeed engine")
     assert rows[("fsdp", 2)]["unsupported_reason"].startswith("2 ranks: predicting several GPUs needs a fake process group")
     assert rows[("baseline", 2)]["status"] == "skipped"  # the plan's rule: several GPUs need an engine
     assert rows[("grad_accum(steps=4)", 1)]["skip_reason"].endswith("does not split into 4 equal micro-batches")
-    assert rows[("baseline", 1)]["headroom_gib"] == pytest.approx(79.647 - rows[("baseline", 1)]["peak_allocated_gib"])
+    base = rows[("baseline", 1)]  # the whole device: what the allocator reserves, and the H100's context
+    assert base["peak_allocated_gib"] <= base["peak_reserved_gib"] and base["fits"] and base["alloc_retries"] == 0
+    assert base["device_peak_gib"] == pytest.approx(base["peak_reserved_gib"] + 0.749)
+    assert base["headroom_gib"] == pytest.approx(79.647 - base["device_peak_gib"])
+    assert [step["stage"] for step in json.loads(base["step_trace_json"])] == ["first_step", "measure"]
 
     again = run_bench(workdir, "predict", "p", "--run-id", "p1")  # resumes: nothing predicted twice
     assert again.returncode == 0 and "ok          tiny-llama" not in again.stdout
@@ -181,3 +188,18 @@ def test_a_prediction_keeps_nothing_alive_after_it() -> None:
         fake.predict_cell(cell, gpus.get("h100"))
     gc.collect()
     assert len(weakref.finalize._registry) == after_one  # type: ignore[attr-defined]
+
+
+def test_dynamic_padding_is_predicted_step_by_step_and_its_cache_climbs_in_stairs() -> None:
+    """Batches sorted by length: each longer batch needs blocks no cached one holds; reserved memory
+    (the allocator's model) climbs while allocated memory only follows the batch."""
+    stack = parse_stack("dynamic_padding(order=sorted)")
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cuda", "tiny-llama", 2048, 2, stack)
+    cell = dataclasses.replace(cell, warmup_steps=1, measure_steps=12)
+    found = fake.predict_cell(cell, gpus.get("h100"))
+    trace = json.loads(found["step_trace_json"])
+    widths, reserved = [t["positions"] for t in trace], [t["reserved_gib"] for t in trace]
+    assert len(trace) == 13 and widths == sorted(widths)
+    assert reserved == sorted(reserved) and reserved[-1] > 2 * reserved[0]  # the stairs
+    assert sum(1 for a, b in itertools.pairwise(reserved) if b > a) >= 5
+    assert found["peak_reserved_gib"] == pytest.approx(max(reserved), rel=0.05)

@@ -60,6 +60,8 @@ class Replay:
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
     oom_at: int | None = None  # index of the request that could not be served
+    samples: list[int] = field(default_factory=list)  # reserved bytes at the positions asked for
+    retries: int = 0  # new segments that did not fit until the cache was released (num_alloc_retries)
     segments: dict[int, int] = field(default_factory=dict)  # segment id -> size
     _heads: dict[int, Block] = field(default_factory=dict)  # segment id -> its first block
     _pools: dict[bool, list[tuple[int, int, Block]]] = field(default_factory=lambda: {True: [], False: []})
@@ -118,6 +120,7 @@ class Replay:
     def _new_segment(self, nbytes: int, small: bool) -> Block | None:
         size = segment_size(nbytes)
         if not self._fits(size):
+            self.retries += 1
             self._release_cached()
             if not self._fits(size):
                 return None
@@ -170,11 +173,25 @@ def trace(records: Iterable[Any]) -> list[tuple[str, int, int]]:
     return [(kind, ident, nbytes) for _, _, kind, ident, nbytes in sorted(events)]
 
 
-def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = None) -> Replay:
-    """Replays ("malloc" | "free", id, bytes) events in order; stops at the first OOM."""
+def positions(records: list[Any], event_counts: list[int]) -> list[int]:
+    """For each event count of the counter (e.g. where a step ended), how many trace events precede it."""
+    made = sorted(r.made for r in records if r.made >= 0 and r.freed != r.made)
+    freed = sorted(r.freed for r in records if r.made >= 0 and r.freed is not None and r.freed != r.made)
+    return [bisect.bisect_left(made, end) + bisect.bisect_left(freed, end) for end in event_counts]
+
+
+def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = None,
+           samples: Iterable[int] = ()) -> Replay:
+    """Replays ("malloc" | "free", id, bytes) events in order; stops at the first OOM. `samples`:
+    after how many events to read reserved memory (Replay.samples)."""
     state = Replay(capacity_bytes)
     live: dict[int, Block] = {}
+    wanted = sorted(samples)
+    events = list(events)
     for index, (kind, ident, nbytes) in enumerate(events):
+        while wanted and wanted[0] <= index:
+            state.samples.append(state.reserved_bytes)
+            wanted.pop(0)
         if kind == "free":
             state.free(live.pop(ident))
             continue
@@ -183,4 +200,5 @@ def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = 
             state.oom_at = index
             break
         live[ident] = block
+    state.samples += [state.reserved_bytes] * len(wanted) if state.oom_at is None else []
     return state

@@ -59,6 +59,17 @@ class Peak:
 
 
 @dataclass(frozen=True)
+class StepEnd:
+    """Where a step ended in the trace: its stage, its batch's positions per row, the event count and
+    the bytes alive then."""
+
+    stage: str
+    positions: int
+    event: int
+    live_bytes: int
+
+
+@dataclass(frozen=True)
 class Workspaces:
     """cuBLAS workspaces: PyTorch gives each (thread, stream) that runs a GEMM a cuBLAS handle with a
     workspace taken from the caching allocator and kept for the process's life (its size: 32 MiB on
@@ -86,6 +97,7 @@ class MemoryCounter(TorchDispatchMode):
         self.steady_peak = Peak()  # the measured stage's
         self.phase_peaks: dict[str, int] = {}  # stage/phase -> the most bytes alive in it
         self.phase_ends: dict[str, int] = {}  # stage/phase -> bytes alive when it ended
+        self.steps: list[StepEnd] = []  # each step's end, in order
         self._forward_start = 0  # first record of the current forward pass
         self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
@@ -219,6 +231,11 @@ class MemoryCounter(TorchDispatchMode):
                     record.role = "activation"
         elif where.endswith("/optimizer"):
             self._mark((p.grad for p in self.on_optimizer() if p.grad is not None), "gradient")
+
+    def step_done(self, stage: str, positions: int) -> None:
+        """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""
+        self._settle()
+        self.steps.append(StepEnd(stage, positions, self.events, self.live_bytes))
 
     def finish(self) -> None:
         """After the last step: the optimizer's state of that step is known too."""

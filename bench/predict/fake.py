@@ -102,22 +102,29 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 
 def _reserved(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
-    """The trace replayed through the caching allocator's model: peak reserved, and, where the card's
-    capacity and what lives outside torch are known, the device's peak and whether the cell fits (the
-    allocator releases its cache and retries before it gives up, so a replay bounded by the card can
-    fit where the unbounded one reserves more than the card)."""
+    """The trace replayed through the caching allocator's model: peak reserved and reserved after each
+    step. Where the card's capacity and what lives outside torch are known, the replay is bounded by
+    the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and
+    retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
+    cell would need)."""
     if "expandable_segments" in cell.stack.names:
         return {}  # segments that grow in place: not modelled (bench/predict/allocator.py)
     events = allocator.trace(counter.records)
-    needed = allocator.replay(events).peak_reserved_bytes / measure.GIB
-    out: dict[str, Any] = {"peak_reserved_gib": needed}
+    at_steps = allocator.positions(counter.records, [s.event for s in counter.steps])
+    state = allocator.replay(events, samples=at_steps)
+    out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
-        capacity = int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB)
-        bounded = allocator.replay(events, capacity)
+        bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
-            out["peak_reserved_gib"] = bounded.peak_reserved_bytes / measure.GIB
+            state = bounded
+            out["alloc_retries"] = bounded.retries
+    out["peak_reserved_gib"] = state.peak_reserved_bytes / measure.GIB
+    if gpu.outside_torch_gib is not None:
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
+    out["step_trace_json"] = json.dumps([
+        {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
+         "reserved_gib": reserved / measure.GIB} for s, reserved in zip(counter.steps, state.samples, strict=True)])
     return out
 
 
@@ -159,8 +166,9 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     job = trainer.wrap(cell, built)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
-    for stage, batch in zip(STAGES, _stepped(batches), strict=False):
+    for stage, batch in _stepped(cell, built, batches):
         job.step(batch, counter, stage)
+        counter.step_done(stage, batch.input_ids.shape[-1])
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 
@@ -173,11 +181,15 @@ def _cell_batches(cell: Cell, built: trainer.Built) -> list[data.Batch]:
             for b in trainer.cell_batches(cell, built.setup, built.vocab_size, "cpu")]
 
 
-def _stepped(batches: list[data.Batch]) -> list[data.Batch]:
-    """The batches of the steps run (STAGES): the first, and the widest of the others (they differ only
-    with dynamic padding, where the widest sets the peak allocated)."""
+def _stepped(cell: Cell, built: trainer.Built, batches: list[data.Batch]) -> list[tuple[str, data.Batch]]:
+    """The steps run, (stage, batch): the first and one standing for all the others (STAGES), the
+    widest, since with dynamic padding the widest sets the peak allocated. With dynamic padding every
+    step is run: what the caching allocator reserves climbs as longer batches arrive, step by step."""
     first, *rest = batches
-    return [first, max(rest, key=lambda b: b.input_ids.shape[-1])] if rest else [first]
+    if built.setup.data == "dynpad":
+        return [(STAGES[0], first), *((STAGES[1], b) for b in rest)]
+    return [(STAGES[0], first), (STAGES[1], max(rest, key=lambda b: b.input_ids.shape[-1]))] if rest else \
+        [(STAGES[0], first)]
 
 
 def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
