@@ -203,3 +203,21 @@ def test_dynamic_padding_is_predicted_step_by_step_and_its_cache_climbs_in_stair
     assert reserved == sorted(reserved) and reserved[-1] > 2 * reserved[0]  # the stairs
     assert sum(1 for a, b in itertools.pairwise(reserved) if b > a) >= 5
     assert found["peak_reserved_gib"] == pytest.approx(max(reserved), rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_catalogues_new_techniques_are_predicted_where_they_save() -> None:
+    """Llama-3.2-3B at seq 2048 batch 2 (peak in the loss's backward over 128k-vocabulary logits):
+    chunked cross-entropy removes that temporary; with gc, stepping the optimizer in backward removes the
+    gradients from the next peak; selective checkpointing lands between gc and none."""
+    matrix = spec.get(REPO / "matrix.yaml", "llama3b")
+
+    def peak(stack: str) -> float:
+        found = fake.predict_cell(make_cell(matrix, "cuda", "llama-3.2-3b", 2048, 2, parse_stack(stack)), gpus.get("h100"))
+        assert found["status"] == "ok", found.get("error")
+        return float(found["peak_allocated_gib"])
+
+    assert peak("chunked_ce") < peak("baseline") - 3
+    assert peak("gc + chunked_ce + optimizer_in_backward") < peak("gc + chunked_ce") - 3
+    assert peak("gc") < peak("selective_gc(every=1, ops=matmuls)") < peak("selective_gc") < peak("baseline")

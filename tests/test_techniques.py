@@ -31,7 +31,9 @@ matrices:
     seq_lens: [64]
     batch_sizes: [2]
     stacks: [baseline, adamw(impl=foreach), adamw(impl=forloop), adamw8bit, eager_attention, gc + adamw8bit,
-             grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit]
+             grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit,
+             chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
+             gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)"]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -49,8 +51,20 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     base = losses["baseline"]
 
     # Same math, other kernels: the same losses up to bf16 rounding.
-    for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention", "grad_accum"):
-        assert losses[exact] == pytest.approx(base, rel=1e-2), exact
+    for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention", "grad_accum", "chunked_ce(chunks=3)",
+                  "chunked_ce + gc", "optimizer_in_backward", "activation_offload(min_bytes=0)",
+                  "activation_offload(min_bytes=0) + gc", "selective_gc", "selective_gc(every=1, ops=matmuls)"):
+        assert losses[exact] == pytest.approx(base, rel=1e-3), exact
+    assert json.loads(rows["chunked_ce(chunks=3)"]["evidence_json"])["chunked_ce_chunks"] == 3
+    assert json.loads(rows["selective_gc"]["evidence_json"]) == {  # tiny-llama: 2 decoder layers, every 2nd
+        "selective_gc_layers": 1, "selective_gc_of": 2, "selective_gc_ops": "all"}
+    in_backward = json.loads(rows["optimizer_in_backward"]["evidence_json"])
+    assert in_backward["optimizer_in_backward_optimizers"] == in_backward["optimizer_in_backward_hooks"] > 10
+    assert rows["optimizer_in_backward"]["optimizer_state_gib"] == pytest.approx(rows["baseline"]["optimizer_state_gib"])
+    offloaded = {s: json.loads(rows[s]["evidence_json"]) for s in ("activation_offload(min_bytes=0)",
+                                                                    "activation_offload(min_bytes=0) + gc")}
+    assert offloaded["activation_offload(min_bytes=0)"]["activation_offload_gib"] > \
+        offloaded["activation_offload(min_bytes=0) + gc"]["activation_offload_gib"] > 0  # gc saves layer inputs only
     assert json.loads(rows["eager_attention"]["evidence_json"]) == {"attn_implementation": "eager"}
 
     # 8-bit states: less optimizer memory than bf16 AdamW's two bf16 moments, same first loss.

@@ -43,7 +43,9 @@ class PlainEngine:
 
 
 def wrap(job: EngineJob) -> tuple[PlainEngine, Evidence]:
-    return PlainEngine(job.model, make_optimizer(list(job.trainable), job.setup, job.uses)), {}
+    optimizer = make_optimizer(list(job.trainable), job.setup, job.uses)
+    evidence = optimizer.evidence() if hasattr(optimizer, "evidence") else {}  # an optimizer technique's proof
+    return PlainEngine(job.model, optimizer), evidence
 
 
 def make_optimizer(params: list[Any], setup: TrainSetup, uses: tuple[tuple[Technique, Options], ...]) -> Any:
