@@ -130,16 +130,25 @@ def publish(results_dir: Path) -> Path:
 
 
 def beside_measured(group: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
-    """A leaderboard section: per stack and batch, measured / predicted peak allocated and the error."""
+    """A leaderboard section: per stack and batch, measured / predicted peak allocated and peak reserved,
+    each with its error."""
     both = pairs(group, predicted)
     if both.empty:
         return []
     batches = sorted(both["batch_size"].unique())
-    lines = ["Predicted beside measured (peak allocated GiB, measured / predicted, error; `bench predict`):", "",
+    lines = ["Predicted beside measured (`bench predict`; GiB, measured / predicted (error): peak allocated · peak "
+             "reserved):", "",
              "| stack | " + " | ".join(f"b={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
     for stack, s in both.groupby("stack", sort=True):
         by_batch = s.set_index("batch_size")
-        cells = [f"{by_batch.loc[b, 'peak_allocated_gib']:.2f} / {by_batch.loc[b, 'peak_allocated_gib_predicted']:.2f} "
-                 f"({by_batch.loc[b, 'error_frac']:+.2%})" if b in by_batch.index else "" for b in batches]
+        cells = [_beside(by_batch.loc[b]) if b in by_batch.index else "" for b in batches]
         lines.append(f"| `{stack}` | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def _beside(r: pd.Series) -> str:
+    allocated = f"{r['peak_allocated_gib']:.2f} / {r['peak_allocated_gib_predicted']:.2f} ({r['error_frac']:+.2%})"
+    if pd.isna(r["reserved_error_frac"]):
+        return allocated
+    return f"{allocated} · {r['peak_reserved_gib']:.2f} / {r['peak_reserved_gib_predicted']:.2f} " \
+           f"({r['reserved_error_frac']:+.2%})"
