@@ -151,22 +151,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     host = envinfo.host_caps()
     if args.repeats is not None and args.repeats < 1:
         raise spec.SpecError(f"--repeats must be at least 1, not {args.repeats}")
+    shard = cells.Shard.parse(args.shard) if args.shard else None
     planned = cells.plan(matrix, host, args.repeats)
-    if args.shard:
-        shard = cells.Shard.parse(args.shard)
+    cells.matching(planned, args.only, matrix.name)  # refuses globs that match nothing
+    if not any(pc.skip_reason is None for pc in planned):
+        return _nothing_runnable(args, matrix, planned, host)
+    if shard:
         held = shard.select(planned)
         if not held:  # a job array with more tasks than the matrix has groups: not an error
             print(f"shard {args.shard} of {matrix.name!r} holds none of its {len(planned)} cells: nothing to run")
             return 0
         planned = held
-    cells.matching(planned, args.only, matrix.name)  # refuses globs that match nothing
-    if not any(pc.skip_reason is None for pc in planned):
-        return _nothing_runnable(args, matrix, planned, host)
     device = cells.resolve_device(matrix, host)
     provenance = envinfo.provenance(host)
     run_id = args.run_id or _default_run_id(matrix.name, device, provenance, args.fresh)
-    if args.shard and not args.run_id:
-        run_id += f"-{cells.Shard.parse(args.shard).label}"
+    if shard and not args.run_id:
+        run_id += f"-{shard.label}"
     published = report.published_runs(args.results_dir / matrix.name) or set()
     if not args.run_id and args.results_dir / matrix.name / "runs" / f"{run_id}.parquet" in published:
         run_id += "-local"  # a user's run never writes into a published one (same matrix, same day)

@@ -104,11 +104,12 @@ def test_generated_matrices_plan_or_are_refused(name: str, body: dict[str, Any])
 
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None)
-@given(command=st.sampled_from(["run", "report", "predict", "fit", "compare", "overhead"]),
+@given(command=st.sampled_from(["run", "report", "predict", "fit", "compare", "overhead", "shard", "merge"]),
        run_id=st.one_of(SAFE, HOSTILE_NAMES), only=st.one_of(st.none(), st.sampled_from(["nomatch*", "*", "[", ""])),
-       budgets=st.sampled_from(["8", "-1", "x", "nan", "1,,2", "inf"]))
+       budgets=st.sampled_from(["8", "-1", "x", "nan", "1,,2", "inf"]),
+       shard=st.sampled_from(["1/2", "2/2", "0/8", "9/8", "x", "1/0", "", "3/8/1"]))
 def test_generated_command_lines_are_refused_before_anything_runs(command: str, run_id: str, only: str | None,
-                                                                  budgets: str) -> None:
+                                                                  budgets: str, shard: str) -> None:
     """Commands that would run cells are given something wrong (a bad run id, a glob matching nothing,
     a bad budget, a GPU-only matrix on this CPU): each must stop with exit 2, having written nothing."""
     import torch
@@ -125,7 +126,9 @@ def test_generated_command_lines_are_refused_before_anything_runs(command: str, 
                 "predict": ["predict", "m", "--run-id", run_id, "--only", "nomatch*"],
                 "fit": ["fit", "m", "--budgets", budgets, "--run-id", run_id],
                 "compare": ["compare", run_id, "other"],
-                "overhead": ["overhead", "m", "--run-id", run_id]}[command]
+                "overhead": ["overhead", "m", "--run-id", run_id],
+                "shard": ["run", "m", "--shard", shard, "--run-id", run_id],
+                "merge": ["report", "m", "--run-id", "*", "--into", run_id]}[command]
         code, err = _run(root, args)
         assert code == 2 and err.strip(), (args, code, err)
         assert not any(root.glob("results/**/*.parquet")), args
