@@ -98,6 +98,9 @@ def _merge(into: dict[str, Any], fragment: dict[str, Any]) -> None:
             into[key] = value
 
 
+JIT_OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "FusedAdamBuilder": "fused_adam"}  # builder -> its build folder
+
+
 def jit_ops(cell: Any) -> tuple[str, ...]:
     """The DeepSpeed op builders a cell's engine will JIT-compile on first use (none with the default
     `adam=torch`): CPUAdam when the optimizer is offloaded, FusedAdam (the CUDA or the CPU one) otherwise."""
