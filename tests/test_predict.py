@@ -221,3 +221,4 @@ def test_the_catalogues_new_techniques_are_predicted_where_they_save() -> None:
     assert peak("chunked_ce") < peak("baseline") - 3
     assert peak("gc + chunked_ce + optimizer_in_backward") < peak("gc + chunked_ce") - 3
     assert peak("gc") < peak("selective_gc(every=1, ops=matmuls)") < peak("selective_gc") < peak("baseline")
+    assert peak("lora(adapter_dtype=bf16)") < peak("lora") - 5 < peak("dora") - 5  # fp32 adapters store fp32 inputs

@@ -33,7 +33,7 @@ matrices:
     stacks: [baseline, adamw(impl=foreach), adamw(impl=forloop), adamw8bit, eager_attention, gc + adamw8bit,
              grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit,
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
-             gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)"]
+             gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -56,6 +56,10 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
                   "activation_offload(min_bytes=0) + gc", "selective_gc", "selective_gc(every=1, ops=matmuls)"):
         assert losses[exact] == pytest.approx(base, rel=1e-3), exact
     assert json.loads(rows["chunked_ce(chunks=3)"]["evidence_json"])["chunked_ce_chunks"] == 3
+    dora, lora = (json.loads(rows[s]["evidence_json"]) for s in ("dora", "lora"))
+    assert dora["dora_magnitudes"] == dora["lora_modules"] == lora["lora_modules"] > 0
+    assert rows["dora"]["trainable_params"] > rows["lora"]["trainable_params"]  # + a magnitude per output channel
+    assert losses["dora"] == pytest.approx(losses["lora"], rel=1e-3)  # starts as the base model, as LoRA does
     assert json.loads(rows["selective_gc"]["evidence_json"]) == {  # tiny-llama: 2 decoder layers, every 2nd
         "selective_gc_layers": 1, "selective_gc_of": 2, "selective_gc_ops": "all"}
     in_backward = json.loads(rows["optimizer_in_backward"]["evidence_json"])

@@ -17,6 +17,11 @@ from .base import Evidence, Options, Phase, Technique
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+    return adapt(model, opts)
+
+
+def adapt(model: Any, opts: Options, use_dora: bool = False) -> tuple[Any, Evidence]:
+    """The model with peft adapters on its targets (DoRA's magnitude vectors too, with `use_dora`)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -25,6 +30,7 @@ def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
         lora_dropout=opts["dropout"],
         target_modules=opts["targets"],
         task_type="CAUSAL_LM",
+        use_dora=use_dora,
     )
     # autocast_adapter_dtype=True is peft's default: adapters in fp32 even on a bf16 base
     model = get_peft_model(model, config, autocast_adapter_dtype=opts["adapter_dtype"] == "fp32")

@@ -1,0 +1,35 @@
+"""DoRA (peft `use_dora=True`): LoRA with each adapted weight split into a magnitude and a direction.
+
+Saves: what LoRA saves (no base gradients or optimizer states), with a per-output-channel magnitude
+vector trained beside the rank-r adapters. Costs more than LoRA: each adapted layer computes the norm
+of its adapted weight (base + BA) in every forward, and keeps what that needs for backward: read it
+beside `lora` at the same options. Options are LoRA's; adapters in fp32 by default, as peft does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import lora
+from .base import Evidence, Options, Phase, Technique
+
+
+def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+    model, found = lora.adapt(model, opts, use_dora=True)
+    magnitudes = sum(1 for name, _ in model.named_modules() if name.endswith("lora_magnitude_vector"))
+    if magnitudes == 0:
+        raise RuntimeError("dora: peft made no magnitude vectors")
+    return model, {**found, "dora_magnitudes": magnitudes}
+
+
+TECHNIQUE = Technique(
+    name="dora",
+    summary="LoRA with weight-decomposed adapters (magnitude + direction): LoRA's savings, more compute",
+    phase=Phase.WRAP,
+    options=dict(lora.TECHNIQUE.options),
+    choices=dict(lora.TECHNIQUE.choices),
+    ranges=dict(lora.TECHNIQUE.ranges),
+    packages=("peft",),
+    conflicts=("lora", "qlora", "int8_lora"),
+    apply=_apply,
+)
