@@ -72,14 +72,16 @@ def main() -> None:
 def _import_model_code(model: str | None) -> None:
     """transformers imports a model family's code on first use (1.6 s for Llama's on a 2-core CPU host,
     more than the tiny model's whole build): done here, before the cell is handed over, so a preforked
-    worker hides it. Pure Python: nothing touches CUDA."""
+    worker hides it. Pure Python: nothing touches CUDA. Only a head start: if it fails, the cell's own
+    build meets the same problem and records it in the row."""
     if not model:
         return
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from . import models
 
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(models.hf_config(models.get(model), "sdpa"))]
+    with contextlib.suppress(Exception):
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(models.hf_config(models.get(model), "sdpa"))]
 
 
 def _process_started_at() -> float:
