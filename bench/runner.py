@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from . import distributed, prebuild, ranks, results, worker
+from . import distributed, prebuild, ranks, results
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
+from .worker import PRELOAD_MODEL_ENV
 
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
 RANK_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")  # torchrun's report of a rank killed so
@@ -170,7 +171,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
-        worker.PRELOAD_MODEL_ENV: cell.model,
+        PRELOAD_MODEL_ENV: cell.model,  # the worker imports this model family's code before its cell
     }
     for use in cell.stack.uses:
         if use.technique.env is not None:
