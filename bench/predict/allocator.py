@@ -39,6 +39,8 @@ MIN_BLOCK = 512  # kMinBlockSize
 
 @dataclass(eq=False)
 class Block:
+    """A piece of a segment, free (in its pool) or handed out; neighbours within the segment linked."""
+
     segment: int
     address: int
     size: int
@@ -46,10 +48,6 @@ class Block:
     free: bool = True
     prev: Block | None = None
     next: Block | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
 
 
 @dataclass
