@@ -169,18 +169,31 @@ def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path
     assert pd.read_parquet(published)["cell_id"].nunique() == 1  # the published table is untouched
 
 
+def _planted_build_lock(workdir: Path, monkeypatch: pytest.MonkeyPatch, op_dir: str, age_s: float = 0) -> Path:
+    """A build lock as a killed build leaves it, where torch builds under $TORCH_EXTENSIONS_DIR (NAME/lock:
+    the pyXY_cpu level exists only under torch's default root)."""
+    pytest.importorskip("deepspeed")
+    lock = workdir / "ext" / op_dir / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(workdir / "ext"))
+    return lock
+
+
+def _write_ds_matrix(workdir: Path, stack: str, batch_sizes: str, timeout_s: int) -> None:
+    write_matrix(workdir, TINY.replace("  hang:", f"  ds:\n    device: cpu\n    models: [tiny-llama]\n    seq_lens: [32]\n"
+                                       f"    batch_sizes: {batch_sizes}\n    stacks: [{stack}]\n"
+                                       f"    steps: {{warmup: 1, measure: 1}}\n    timeout_s: {timeout_s}\n  hang:"))
+
+
 @pytest.mark.slow
 def test_a_stale_extension_build_lock_is_named_in_the_timed_out_row(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed JIT-builds its CPU communication op on first use; a build killed midway leaves a lock
     every later build waits on. The cell times out, and its row says which file to delete."""
-    pytest.importorskip("deepspeed")
-    lock = workdir / "ext" / "deepspeed_shm_comm" / "lock"  # $TORCH_EXTENSIONS_DIR/NAME: no pyXY_cpu level
-    lock.parent.mkdir(parents=True)
-    lock.write_text("")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(workdir / "ext"))
-    write_matrix(workdir, TINY.replace("  hang:", "  ds:\n    device: cpu\n    models: [tiny-llama]\n    seq_lens: [32]\n"
-                                       "    batch_sizes: [1]\n    stacks: [zero2]\n    steps: {warmup: 1, measure: 1}\n"
-                                       "    timeout_s: 40\n  hang:"))
+    lock = _planted_build_lock(workdir, monkeypatch, "deepspeed_shm_comm")
+    _write_ds_matrix(workdir, "zero2", "[1]", timeout_s=40)
     proc = run_bench(workdir, "run", "ds", "--run-id", "ds")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = raw_rows(workdir, "ds").values()
@@ -193,16 +206,8 @@ def test_a_stale_lock_on_an_op_the_cells_need_stops_the_run_before_any_cell(work
     """`zero2(adam=deepspeed)` needs DeepSpeed's JIT-built FusedAdam: the runner builds it before
     the first cell, so a stale lock (older than any build) is found at once, named, and nothing runs
     (instead of every cell hanging until its timeout)."""
-    pytest.importorskip("deepspeed")
-    lock = workdir / "ext" / "fused_adam" / "lock"  # where torch builds it under $TORCH_EXTENSIONS_DIR
-    lock.parent.mkdir(parents=True)
-    lock.write_text("")
-    an_hour_ago = time.time() - 3600
-    os.utime(lock, (an_hour_ago, an_hour_ago))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(workdir / "ext"))
-    write_matrix(workdir, TINY.replace("  hang:", "  ds:\n    device: cpu\n    models: [tiny-llama]\n    seq_lens: [32]\n"
-                                       "    batch_sizes: [1, 2]\n    stacks: ['zero2(adam=deepspeed)']\n"
-                                       "    steps: {warmup: 1, measure: 1}\n    timeout_s: 600\n  hang:"))
+    lock = _planted_build_lock(workdir, monkeypatch, "fused_adam", age_s=3600)
+    _write_ds_matrix(workdir, "'zero2(adam=deepspeed)'", "[1, 2]", timeout_s=600)
     proc = run_bench(workdir, "run", "ds", "--run-id", "ds")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "FusedAdamBuilder cannot be built" in proc.stderr and f"lock is held ({lock})" in proc.stderr
