@@ -5,6 +5,7 @@
 # make lint      ruff + mypy
 # make fit       fit frontier: MATRIX=fit3b BUDGETS=24,40,80 (GPU)
 # make scenarios  results/SCENARIOS.md: the field reports answered from the published tables
+# make site     site/index.html: every published table as one page (filters, fits in N GiB, plots, detail)
 # make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
@@ -25,7 +26,7 @@ REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
 LLAMA3B_RUN ?= llama3b-h100-20261122
 
-.PHONY: install bench list report scenarios fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
+.PHONY: install bench list report scenarios site fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
 
 install:
 	python3 -m venv $(VENV)
@@ -55,6 +56,9 @@ predict:
 
 scenarios:
 	$(PY) -m bench scenarios
+
+site:
+	$(PY) -m bench site
 
 predict-gate:  # a torch / transformers / peft release that changes training memory, caught on a CPU
 	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict regress --run-id $(PREDICT_GATE_RUN) --redo $(ARGS)

@@ -95,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     scen = sub.add_parser("scenarios", help="answer the field reports from the published tables: results/SCENARIOS.md")
     scen.set_defaults(func=cmd_scenarios)
 
+    site_p = sub.add_parser("site", help="every published table as one static page: site/index.html")
+    site_p.add_argument("--out", type=Path, default=Path("site"), help="folder for index.html (default: site)")
+    site_p.add_argument("--results-url", help="where results/ is served, as the page links it (default: the "
+                                              "relative path from --out to --results-dir)")
+    site_p.set_defaults(func=cmd_site)
+
     pred = sub.add_parser("predict", help="predict each cell's peak allocated GPU memory on a CPU (fake tensors)")
     pred.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
     pred.add_argument("--only", help="only cells whose id matches one of these globs (comma list)")
@@ -256,6 +262,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
     print(f"scenarios: {scenarios.publish(args.results_dir, args.matrix_file)}")
+    return 0
+
+
+def cmd_site(args: argparse.Namespace) -> int:
+    from .site import write_site  # markdown-it and the page's assets only when a page is written
+
+    print(f"site: {write_site(args.results_dir, args.out, args.results_url)}")
     return 0
 
 

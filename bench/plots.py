@@ -1,7 +1,8 @@
 """Parquet -> PNG plots, linked from the leaderboard. Generated, never edited by hand.
 
-- peak memory vs sequence length, one line per stack (batch fixed), with the GPU's capacity line;
-- tokens/s vs peak memory (the Pareto view: up and to the left is better);
+- peak memory vs sequence length, one panel per batch, one line per stack, with the GPU's capacity line;
+- tokens/s vs peak memory, one panel per sequence length (up and to the left is better): the batch
+  written by each marker, the Pareto front joined, the capacity line, the stacks' key outside the data;
 - where the memory goes: weights, gradients, optimizer state, and the rest of the allocated peak
   (activations and temporaries) per stack, from the tensors the worker measured.
 """
@@ -45,48 +46,134 @@ def headline_batch(group: pd.DataFrame) -> int:
     return int(max(counts.index, key=lambda b: (counts[b], b)))
 
 
-def _memory_vs_seq(group: pd.DataFrame, mem_col: str, path: Path) -> Path | None:
+# Ten colours that stay apart for colour-blind readers (Okabe-Ito and Tableau), times four marker
+# shapes: 40 stacks before a pair repeats. The page (bench/site/site.js) uses the same ones.
+COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000", "#8C564B", "#7F7F7F",
+           "#BCBD22")
+MARKERS = ("o", "s", "^", "D")
+PEAK_LABELS = {
+    "peak_reserved_gib": "peak reserved GPU memory (GiB)",
+    "peak_allocated_gib": "peak allocated GPU memory (GiB)",
+    "host_rss_peak_gib": "peak host RSS (GiB)",
+}
+
+
+def stack_styles(stacks: list[str]) -> dict[str, tuple[str, str]]:
+    """Stack -> (colour, marker), baseline first, the same in every panel of a figure."""
+    ordered = sorted(stacks, key=lambda s: (s != BASELINE, s))
+    return {st: (COLOURS[i % len(COLOURS)], MARKERS[i // len(COLOURS) % len(MARKERS)]) for i, st in enumerate(ordered)}
+
+
+def _panels(n: int, width: float = 5.6, height: float = 4.2):
+    """n panels, two to a row, sharing the y axis; unused panels removed."""
     import matplotlib.pyplot as plt
 
-    batch = int(group["batch_size"].min())
-    sub = group[group["batch_size"] == batch]
-    if sub["seq_len"].nunique() < 2:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for stack, s in sub.groupby("stack"):
-        if s["seq_len"].nunique() >= 2:
-            s = s.sort_values("seq_len")
-            ax.plot(s["seq_len"], s[mem_col], marker="o", label=stack)
+    cols = min(n, 2)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(width * cols + 2.4, height * rows), squeeze=False, sharey=True)
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        ax.remove()
+    for ax in axes[:n]:
+        ax.yaxis.set_tick_params(labelleft=True)
+    return fig, axes[:n]
+
+
+def _capacity(ax, group: pd.DataFrame, mem_col: str, vertical: bool) -> None:
     capacity = group["gpu_memory_gib"].dropna()
     if mem_col == "peak_reserved_gib" and len(capacity):
-        ax.axhline(float(capacity.iloc[0]), color="red", linestyle="--", label=f"GPU capacity {capacity.iloc[0]:.1f} GiB")
-    seqs = sorted(int(x) for x in sub["seq_len"].unique())
-    ax.set(xlabel="sequence length (tokens)", ylabel=f"{mem_col} (GiB)", xscale="log",
-           title=f"{group['model'].iloc[0]}: peak memory vs sequence length, batch {batch}")
-    ax.set_xticks(seqs, labels=[str(x) for x in seqs])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    return _save(fig, ax, path)
+        gib_total = float(capacity.iloc[0])
+        line = ax.axvline if vertical else ax.axhline
+        line(gib_total, color="#b42318", linestyle="--", linewidth=1.2)
+        text = f"capacity {gib_total:.1f} GiB"
+        if vertical:
+            ax.text(gib_total, 0.98, text + " ", transform=ax.get_xaxis_transform(), ha="right", va="top",
+                    color="#b42318", fontsize=7)
+        else:
+            ax.text(0.01, gib_total, text, transform=ax.get_yaxis_transform(), va="bottom", color="#b42318", fontsize=7)
+
+
+def _legend(fig, styles: dict[str, tuple[str, str]], extra: list | None = None) -> None:
+    """The stacks' key, outside the panels (right), so it never covers data."""
+    import matplotlib.pyplot as plt
+
+    handles = [plt.Line2D([], [], color=c, marker=m, linestyle="", markeredgecolor="black", markeredgewidth=0.4,
+                          label=st) for st, (c, m) in styles.items()]
+    fig.legend(handles=handles + (extra or []), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
+               frameon=False)
+
+
+def _memory_vs_seq(group: pd.DataFrame, mem_col: str, path: Path) -> Path | None:
+    """One panel per batch size measured at two or more sequence lengths: a line per stack."""
+    import matplotlib.pyplot as plt
+
+    batches = [b for b, sub in group.groupby("batch_size") if sub["seq_len"].nunique() >= 2]
+    if not batches:
+        return None
+    styles = stack_styles(list(group["stack"].unique()))
+    fig, axes = _panels(len(batches))
+    seqs = sorted(int(x) for x in group["seq_len"].unique())
+    for ax, batch in zip(axes, sorted(batches), strict=True):
+        for stack, s in group[group["batch_size"] == batch].groupby("stack"):
+            if s["seq_len"].nunique() >= 2:
+                s = s.sort_values("seq_len")
+                colour, mark = styles[stack]
+                ax.plot(s["seq_len"], s[mem_col], marker=mark, color=colour, markeredgecolor="black",
+                        markeredgewidth=0.4, linewidth=1.2)
+        _capacity(ax, group, mem_col, vertical=False)
+        ax.set(xscale="log", xlabel="sequence length (tokens)", title=f"batch {batch}")
+        ax.set_xticks(seqs, labels=[str(x) for x in seqs])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.set_ylabel(PEAK_LABELS.get(mem_col, mem_col))
+    fig.suptitle(f"{group['model'].iloc[0]}: peak memory vs sequence length", fontsize=11)
+    lines = {st for b in batches for st, s in group[group["batch_size"] == b].groupby("stack") if s["seq_len"].nunique() >= 2}
+    _legend(fig, {st: style for st, style in styles.items() if st in lines})
+    return _write(fig, path)
 
 
 def _pareto(group: pd.DataFrame, mem_col: str, path: Path) -> Path | None:
-    """Colour = stack, marker = sequence length, size = batch."""
+    """One panel per sequence length: tokens/s vs peak memory, the batch written by each marker, the
+    Pareto front joined (no other cell is both smaller and faster), the card's capacity dashed."""
+    seqs = sorted(int(x) for x in group["seq_len"].unique())
+    styles = stack_styles(list(group["stack"].unique()))
+    fig, axes = _panels(len(seqs))
+    for ax, seq in zip(axes, seqs, strict=True):
+        sub = group[group["seq_len"] == seq]
+        for _, r in sub.iterrows():
+            colour, mark = styles[r["stack"]]
+            ax.scatter(r[mem_col], r["tokens_per_s"], color=colour, marker=mark, s=36, edgecolors="black",
+                       linewidths=0.4, zorder=3)
+            ax.annotate(str(int(r["batch_size"])), (r[mem_col], r["tokens_per_s"]), xytext=(4, 3),
+                        textcoords="offset points", fontsize=6.5, color="#333333")
+        front = pareto_front(sub, mem_col)
+        ax.plot(front[mem_col], front["tokens_per_s"], color="black", alpha=0.45, linewidth=1, zorder=2)
+        _capacity(ax, group, mem_col, vertical=True)
+        ax.set(xlabel=PEAK_LABELS.get(mem_col, mem_col), title=f"seq {seq}")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(f"{group['model'].iloc[0]}: throughput vs peak memory (number by a marker = batch; "
+                 "line = Pareto front)", fontsize=11)
+    _legend(fig, styles)
+    return _write(fig, path)
+
+
+def pareto_front(cells: pd.DataFrame, mem_col: str) -> pd.DataFrame:
+    """Cells no other cell beats on both memory (smaller) and tokens/s (larger), by memory."""
+    ordered = cells.sort_values([mem_col, "tokens_per_s"], ascending=[True, False])
+    faster = ordered["tokens_per_s"] > ordered["tokens_per_s"].cummax().shift(fill_value=float("-inf"))
+    return ordered[faster]
+
+
+def _write(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    stacks = sorted(group["stack"].unique(), key=lambda s: (s != BASELINE, s))
-    colours = {st: plt.get_cmap("tab20")(i % 20) for i, st in enumerate(stacks)}
-    markers = dict(zip(sorted(group["seq_len"].unique()), "o^sDvP*X", strict=False))
-    for (stack, seq), s in group.groupby(["stack", "seq_len"]):
-        ax.scatter(s[mem_col], s["tokens_per_s"], s=14 * s["batch_size"] + 12, color=colours[stack],
-                   marker=markers[seq], alpha=0.85, edgecolors="black", linewidths=0.4)
-    handles = [plt.Line2D([], [], color=colours[st], marker="o", linestyle="", label=st) for st in stacks]
-    handles += [plt.Line2D([], [], color="grey", marker=m, linestyle="", label=f"seq {q}") for q, m in markers.items()]
-    ax.legend(handles=handles, fontsize=7, ncols=2, loc="best")
-    ax.set(xlabel=f"{mem_col} (GiB)", ylabel="tokens/s",
-           title=f"{group['model'].iloc[0]}: throughput vs peak memory (marker size = batch)")
-    ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -129,10 +216,5 @@ def breakdown_gib(rows: pd.DataFrame) -> dict[str, pd.Series]:
 
 def _save(fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars, not on them
+    return _write(fig, path)

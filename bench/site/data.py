@@ -1,0 +1,164 @@
+"""The page's data: every published cell, measured and predicted, one record each, with every column.
+
+A record is one cell of one published run (repeats folded as the boards fold them: memory the max,
+tokens/s the median). Besides the row itself, a record carries what the page filters and plots on,
+computed here once so the page's script stays small:
+
+- `gpu`: the card the figure is for (NVML's name; a prediction's GPU kind is mapped to the same name,
+  so a filter on "H100" shows both; CPU runs are "CPU").
+- `peak_gib`: the peak the boards show (reserved on a GPU, host RSS on a CPU, predicted reserved —
+  else allocated — for a prediction).
+- `device_gib`: what must fit on the card: NVML's device peak for a measured GPU cell (peak reserved
+  where NVML is missing), `device_peak_gib` for a prediction (reserved + what lives outside torch).
+- `error`: for a prediction of a cell also measured on its GPU, (predicted − measured) / measured
+  peak reserved.
+- `primary`: the record that stands for its cell among the runs of the same source (ok before not ok,
+  then the newest), so a cell measured by three runs is plotted once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .. import results
+from ..predict import gpus
+from ..predict import report as predict_report
+from ..views import by_cell
+
+# Columns added by views.by_cell, defined here as the schema defines the others.
+FOLDED_COLUMNS = (
+    ("repeats", "int", "ok runs of the cell folded into this row (memory: their max; tokens/s: their median)"),
+    ("tokens_per_s_cv", "float", "stdev / mean of tokens_per_s across repeats"),
+    ("peak_spread", "float", "(max - min) / min of the stable peak across repeats (allocated on a GPU)"),
+)
+UNITS = (("_gib", "GiB"), ("_ms_p10", "ms"), ("_ms_p50", "ms"), ("_ms_p90", "ms"), ("tokens_per_s", "tokens/s"),
+         ("tokens_per_s_per_gpu", "tokens/s"), ("_per_s", "tokens/s"), ("_s", "s"), ("mfu", "fraction 0..1"),
+         ("_frac", "fraction"), ("_params", "parameters"), ("_per_token", "FLOPs/token"))
+
+
+@dataclass(frozen=True)
+class SiteData:
+    cells: list[dict[str, Any]]
+    columns: dict[str, dict[str, str]]  # name -> unit, definition (measured and predicted definitions)
+    predictor: dict[str, Any]  # the predictor's measured error over every measured-and-predicted cell
+    sources: list[str] = field(default_factory=list)  # parquet files read, relative to the results dir
+
+
+def unit_of(column: str) -> str:
+    """A column's unit, read off its name (the suite names columns with their units)."""
+    for suffix, unit in UNITS:
+        if column.endswith(suffix):
+            return unit
+    return ""
+
+
+def column_definitions() -> dict[str, dict[str, str]]:
+    columns: dict[str, dict[str, str]] = {}
+    for table in (results.MEASURED, results.PREDICTED):
+        for name, _, definition in table.schema:
+            entry = columns.setdefault(name, {"unit": unit_of(name), "measured": "", "predicted": ""})
+            entry[table.name] = definition
+    for name, _, definition in FOLDED_COLUMNS:
+        columns[name] = {"unit": unit_of(name), "measured": definition, "predicted": ""}
+    return columns
+
+
+def published_tables(results_dir: Path) -> list[Path]:
+    """Every run's table: <matrix>/runs/*.parquet and <matrix>/predicted/*.parquet (the fit frontier's
+    tables are of another shape; its board is linked instead)."""
+    return sorted([*results_dir.glob("*/runs/*.parquet"), *results_dir.glob("*/predicted/*.parquet")])
+
+
+def collect(results_dir: Path) -> SiteData:
+    tables = published_tables(results_dir)
+    cells: list[dict[str, Any]] = []
+    for path in tables:
+        frame = results.read_any(path)
+        predicted = "prediction_method" in frame.columns
+        for row in (frame if predicted else by_cell(frame)).to_dict("records"):
+            cells.append(_record(_clean(row), "predicted" if predicted else "measured"))
+    errors = _prediction_errors(results_dir)
+    for cell in cells:
+        if cell["source"] == "predicted":
+            cell["error"] = errors.get((cell["cell_id"], cell["gpu"]))
+    _mark_primary(cells)
+    return SiteData(cells, column_definitions(), _predictor_summary(errors),
+                    [str(p.relative_to(results_dir)) for p in tables])
+
+
+def _clean(row: dict[str, Any]) -> dict[str, Any]:
+    """Non-empty values only, as JSON-able Python (NaN and NA dropped, numpy scalars unwrapped)."""
+    out = {}
+    for key, value in row.items():
+        if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+            continue
+        out[key] = value.item() if hasattr(value, "item") else value
+    return out
+
+
+def _gpu(row: dict[str, Any], source: str) -> str:
+    if source == "predicted":
+        kind = gpus.GPUS.get(row.get("gpu_kind", ""))
+        return kind.name if kind else str(row.get("gpu_kind", "?"))
+    return str(row.get("gpu_name") or "GPU") if row.get("device") == "cuda" else "CPU"
+
+
+def _techniques(stack_json: str | None) -> list[str]:
+    return [name for name, _ in json.loads(stack_json or "[]")]
+
+
+def _record(row: dict[str, Any], source: str) -> dict[str, Any]:
+    on_gpu = row.get("device") == "cuda"
+    if source == "predicted":
+        peak = row.get("peak_reserved_gib", row.get("peak_allocated_gib"))
+        device = row.get("device_peak_gib", peak)
+        capacity = row.get("gpu_memory_gib")
+    else:
+        peak = row.get("peak_reserved_gib") if on_gpu else row.get("host_rss_peak_gib")
+        device = row.get("nvml_peak_gib", peak) if on_gpu else None
+        capacity = row.get("gpu_memory_gib") if on_gpu else None
+    return {
+        "key": f"{row['run_id']}/{row['cell_id']}", "cell_id": row["cell_id"], "source": source,
+        "run_id": row["run_id"], "matrix": row.get("matrix"), "model": row["model"], "seq_len": row["seq_len"],
+        "batch_size": row["batch_size"], "gpus": row.get("gpus", 1), "stack": row["stack"],
+        "techniques": _techniques(row.get("stack_json")), "status": row["status"], "gpu": _gpu(row, source),
+        "capacity_gib": capacity, "peak_gib": peak, "device_gib": device,
+        "tokens_per_s": row.get("tokens_per_s"), "started_at": row.get("started_at", ""), "error": None,
+        "row": row,
+    }
+
+
+def _mark_primary(cells: list[dict[str, Any]]) -> None:
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for cell in cells:
+        cell["primary"] = False
+        key = (cell["source"], cell["gpu"], cell["cell_id"])
+        held = best.get(key)
+        if held is None or (cell["status"] == "ok", cell["started_at"]) > (held["status"] == "ok", held["started_at"]):
+            best[key] = cell
+    for cell in best.values():
+        cell["primary"] = True
+
+
+def _prediction_errors(results_dir: Path) -> dict[tuple[str, str], float]:
+    """(cell id, GPU name) -> relative error of predicted peak reserved, where both exist."""
+    both = predict_report.pairs(predict_report.measured_gpu_cells(results_dir), predict_report.predictions(results_dir))
+    errors = {}
+    for row in both.to_dict("records"):
+        if row.get("reserved_error_frac") is not None and not pd.isna(row["reserved_error_frac"]):
+            errors[(row["cell_id"], str(row["gpu_name"]))] = float(row["reserved_error_frac"])
+    return errors
+
+
+def _predictor_summary(errors: dict[tuple[str, str], float]) -> dict[str, Any]:
+    absolute = sorted(abs(e) for e in errors.values())
+    if not absolute:
+        return {"cells": 0}
+    return {"cells": len(absolute), "median_abs_error": float(pd.Series(absolute).median()),
+            "max_abs_error": absolute[-1], "peak": "reserved"}

@@ -1,0 +1,279 @@
+"""The results page (bench site): its data from the published tables, and the page in a real browser.
+
+The browser tests drive Debian's Chromium (/usr/bin/chromium) with Playwright; `.ci/run` installs it.
+They are skipped where it is missing, except under CI (CI set), where its absence is a failure.
+Screenshots at desktop and phone widths go to $SITE_SCREENSHOTS (default: a temp folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench import results
+from bench.predict import report as predict_report
+from bench.site import data as site_data
+from bench.site import page
+from conftest import REPO
+
+RESULTS = REPO / "results"
+CHROMIUM = "/usr/bin/chromium"
+# Headless, and without the background connections a closed network refuses.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def site_data_() -> site_data.SiteData:
+    return site_data.collect(RESULTS)
+
+
+def test_every_published_cell_is_on_the_page_once_per_run(site_data_: site_data.SiteData) -> None:
+    expected = 0
+    for path in site_data.published_tables(RESULTS):
+        frame = results.read_any(path)
+        expected += frame["cell_id"].nunique()
+    assert len(site_data_.cells) == expected
+    assert len({c["key"] for c in site_data_.cells}) == expected
+
+
+def test_one_primary_record_per_cell_source_and_gpu(site_data_: site_data.SiteData) -> None:
+    primaries: dict[tuple[str, str, str], int] = {}
+    for cell in site_data_.cells:
+        primaries.setdefault((cell["source"], cell["gpu"], cell["cell_id"]), 0)
+        primaries[(cell["source"], cell["gpu"], cell["cell_id"])] += cell["primary"]
+    assert set(primaries.values()) == {1}
+
+
+def test_predicted_cells_carry_the_error_prediction_md_reports(site_data_: site_data.SiteData) -> None:
+    both = predict_report.pairs(predict_report.measured_gpu_cells(RESULTS), predict_report.predictions(RESULTS))
+    assert len(both) > 0
+    expected = dict(zip(both["cell_id"], both["reserved_error_frac"], strict=True))
+    with_error = {c["cell_id"]: c["error"] for c in site_data_.cells if c["source"] == "predicted" and c["error"] is not None}
+    assert with_error.keys() <= expected.keys()
+    for cell_id, error in with_error.items():
+        assert error == pytest.approx(expected[cell_id])
+    summary = site_data_.predictor
+    assert summary["median_abs_error"] == pytest.approx(both["reserved_error_frac"].abs().median())
+
+
+def test_a_prediction_and_a_measurement_of_the_same_card_share_its_gpu_name(site_data_: site_data.SiteData) -> None:
+    gpus = {c["source"]: c["gpu"] for c in site_data_.cells if c["model"] == "llama-3.2-3b"}
+    assert gpus["predicted"] == gpus["measured"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_units_are_read_off_column_names() -> None:
+    assert site_data.unit_of("peak_reserved_gib") == "GiB"
+    assert site_data.unit_of("step_ms_p50") == "ms"
+    assert site_data.unit_of("tokens_per_s") == "tokens/s"
+    assert site_data.unit_of("build_s") == "s"
+    columns = site_data.column_definitions()
+    assert columns["peak_reserved_gib"]["measured"].startswith("overall peak of bytes reserved")
+    assert columns["peak_reserved_gib"]["predicted"].startswith("PREDICTED")
+
+
+def test_data_cannot_close_the_script_element_early() -> None:
+    text = page._script_json({"cells": [{"stack": "</script><script>alert(1)</script>"}]})
+    assert "</" not in text
+    assert json.loads(text)["cells"][0]["stack"].startswith("</script>")
+
+
+def test_board_links_point_at_sections_or_the_results_folder() -> None:
+    assert page._link("PREDICTION.md", RESULTS, "../results") == "#prediction"
+    assert page._link("fit3b/fit/FIT-predicted.md", RESULTS, "results") == "results/fit3b/fit/FIT-predicted.md"
+    assert page._link("https://example.org/x", RESULTS, "results") == "https://example.org/x"
+
+
+def test_the_page_is_one_file_with_everything_inlined(tmp_path: Path) -> None:
+    path = page.write_site(RESULTS, tmp_path / "site")
+    text = path.read_text()
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=\"https?:", text), "nothing is fetched at view time"
+    assert 'id="scenarios"' in text and 'id="prediction"' in text
+    # the boards' links into results/ are relative to where the page was written
+    assert f'href="{os.path.relpath(RESULTS, tmp_path / "site")}/fit3b/fit/FIT-predicted.md"' in text
+    assert 'href="#prediction"' in text
+
+
+# ---- in a real browser -------------------------------------------------------------------------------
+
+
+def _chromium_or_skip() -> None:
+    if Path(CHROMIUM).exists():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium package")
+    pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def site_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return page.write_site(RESULTS, tmp_path_factory.mktemp("site")).as_uri()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _chromium_or_skip()
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def loaded(browser, site_url: str):
+    """A desktop-sized page, loaded, with the console errors and page errors it raised."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.goto(site_url)
+    tab.wait_for_selector("#fits-out .fit-card")
+    yield tab, errors
+    context.close()
+
+
+def _shown_fit_keys(tab) -> list[str]:
+    return tab.eval_on_selector_all(".fit-row", "rows => rows.map(r => r.dataset.key)")
+
+
+def _device_gib(tab, keys: list[str]) -> dict[str, float]:
+    return tab.evaluate("keys => Object.fromEntries(DATA.cells.filter(c => keys.includes(c.key))"
+                        ".map(c => [c.key, c.device_gib]))", keys)
+
+
+@pytest.mark.browser
+def test_the_page_loads_without_a_console_error(loaded) -> None:
+    tab, errors = loaded
+    assert errors == []
+    assert tab.locator("#explore").is_visible()
+    assert tab.locator(".chart svg .point").count() > 0
+    assert tab.locator("#cell-table tbody tr").count() > 100
+
+
+@pytest.mark.browser
+def test_the_budget_control_changes_which_cells_fit(loaded) -> None:
+    tab, errors = loaded
+    tab.fill("#budget-number", "16")
+    tab.dispatch_event("#budget-number", "change")
+    small = _shown_fit_keys(tab)
+    tab.get_by_role("button", name="80 GiB").click()
+    large = _shown_fit_keys(tab)
+    assert tab.locator("#budget-label").inner_text() == "80"
+    assert 0 < len(small) < len(large)
+    for budget, keys in ((16, small), (80, large)):
+        assert all(gib <= budget for gib in _device_gib(tab, keys).values())
+    assert errors == []
+
+
+@pytest.mark.browser
+def test_predicted_cells_that_fit_are_marked_with_the_predictors_error(loaded) -> None:
+    tab, _ = loaded
+    predicted = tab.locator(".fit-row.predicted")
+    assert predicted.count() > 0
+    badge = predicted.first.locator(".badge.predicted")
+    assert re.search(r"error .*\d+\.\d+%", badge.get_attribute("title") or "")
+
+
+@pytest.mark.browser
+def test_a_filter_narrows_every_view(loaded) -> None:
+    tab, _ = loaded
+    tab.select_option("#filter-source", "predicted")
+    sources = tab.eval_on_selector_all("#cell-table tbody tr td:first-child", "tds => tds.map(t => t.textContent)")
+    assert sources and set(sources) == {"predicted"}
+    assert tab.locator(".chart").count() == 0  # predictions have no speed: nothing to plot
+    tab.select_option("#filter-source", "")
+    tab.select_option("#filter-technique", "lora")
+    stacks = tab.eval_on_selector_all("#cell-table tbody tr td:nth-child(7)", "tds => tds.map(t => t.textContent)")
+    assert stacks and all("lora" in s for s in stacks)
+
+
+@pytest.mark.browser
+def test_a_cells_detail_opens_with_every_column_and_its_rerun_command(loaded) -> None:
+    tab, errors = loaded
+    point = tab.locator(".chart svg .point").first
+    key = point.get_attribute("data-key")
+    point.click()
+    dialog = tab.locator("dialog#detail")
+    assert dialog.is_visible()
+    cell = tab.evaluate("key => DATA.cells.find(c => c.key === key)", key)
+    assert dialog.locator("pre.rerun").inner_text() == cell["row"]["rerun_cmd"]
+    rows = dialog.locator("table.columns tbody tr")
+    assert rows.count() == len(cell["row"])
+    assert "GiB" in dialog.locator("table.columns").inner_text()
+    assert dialog.locator("h3", has_text="Loss of every step").count() == 1  # a measured GPU cell records its losses
+    dialog.get_by_role("button", name="Close").click()
+    assert not dialog.is_visible()
+    tab.locator(".cell-row.predicted").first.click()
+    assert dialog.locator(".badge.predicted").count() == 1
+    assert errors == []
+
+
+@pytest.mark.browser
+def test_screenshots_at_desktop_and_phone_widths_and_nothing_overflows_a_phone(browser, site_url: str,
+                                                                               tmp_path: Path) -> None:
+    out = Path(os.environ.get("SITE_SCREENSHOTS", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, viewport in (("desktop", {"width": 1280, "height": 900}), ("phone", {"width": 390, "height": 844})):
+        context = browser.new_context(viewport=viewport)
+        tab = context.new_page()
+        tab.goto(site_url)
+        tab.wait_for_selector("#fits-out .fit-card")
+        overflow = tab.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{name}: the page scrolls sideways by {overflow}px"
+        tab.screenshot(path=str(out / f"site-{name}.png"))
+        tab.locator("#charts").scroll_into_view_if_needed()
+        tab.screenshot(path=str(out / f"site-{name}-charts.png"))
+        context.close()
+    for png in out.glob("site-*.png"):
+        assert png.stat().st_size > 20_000, png
+
+
+@pytest.mark.browser
+def test_without_javascript_every_cell_is_in_the_tables(browser, site_url: str) -> None:
+    context = browser.new_context(java_script_enabled=False)
+    tab = context.new_page()
+    tab.goto(site_url)
+    assert not tab.locator("#explore").is_visible()
+    n_cells = sum(results.read_any(p)["cell_id"].nunique() for p in site_data.published_tables(RESULTS))
+    assert tab.locator("#tables details tbody tr").count() == n_cells
+    tab.locator("#tables details summary").first.click()  # <details> opens without a script
+    assert tab.locator("#tables details").first.locator("table").is_visible()
+    assert tab.locator("#prediction table").first.is_visible()
+    context.close()
+
+
+def test_the_cells_of_a_folded_run_show_its_median_tokens_per_s(site_data_: site_data.SiteData) -> None:
+    frame = results.read_parquet(RESULTS / "llama3b" / "runs" / "llama3b-h100-repeats.parquet")
+    repeats = [c for c in site_data_.cells if c["run_id"] == "llama3b-h100-repeats"]
+    assert repeats
+    ok = frame[frame["status"] == "ok"]
+    for cell in repeats:
+        runs = ok[ok["cell_id"] == cell["cell_id"]]["tokens_per_s"].astype(float)
+        if len(runs):
+            assert cell["tokens_per_s"] == pytest.approx(pd.Series(runs).median())
+
+
+# ---- the boards' PNG plots, drawn the same way ------------------------------------------------------
+
+
+def test_the_pareto_front_keeps_only_cells_nothing_beats_on_both_axes() -> None:
+    from bench.plots import pareto_front
+
+    cells = pd.DataFrame({"peak_reserved_gib": [10, 12, 20, 25, 30, 30], "tokens_per_s": [5, 4, 9, 8, 12, 11]})
+    front = pareto_front(cells, "peak_reserved_gib")
+    assert list(zip(front["peak_reserved_gib"], front["tokens_per_s"], strict=True)) == [(10, 5), (20, 9), (30, 12)]
+
+
+def test_forty_stacks_get_forty_distinct_colour_and_marker_pairs_baseline_first() -> None:
+    from bench.plots import stack_styles
+
+    styles = stack_styles([f"s{i:02d}" for i in range(39)] + ["baseline"])
+    assert len(set(styles.values())) == 40
+    assert next(iter(styles)) == "baseline"
