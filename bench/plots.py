@@ -165,7 +165,8 @@ def _pareto(group: pd.DataFrame, mem_col: str, path: Path) -> Path | None:
 def pareto_front(cells: pd.DataFrame, mem_col: str) -> pd.DataFrame:
     """Cells no other cell beats on both memory (smaller) and tokens/s (larger), by memory."""
     ordered = cells.sort_values([mem_col, "tokens_per_s"], ascending=[True, False])
-    faster = ordered["tokens_per_s"] > ordered["tokens_per_s"].cummax().shift(fill_value=float("-inf"))
+    speed = ordered["tokens_per_s"].astype(float)
+    faster = speed > speed.cummax().shift(fill_value=float("-inf"))
     return ordered[faster]
 
 
