@@ -48,9 +48,29 @@ def init(cuda: bool) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
 
 
+_MESHES: dict[str, object] = {}
+
+
+def mesh(device_type: str):
+    """The 1-D device mesh of every rank of the default group, made once per device type. A fake run
+    (bench predict) makes it before its tensors turn fake: the mesh's rank table is real data."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type not in _MESHES:
+        _MESHES[device_type] = init_device_mesh(device_type, (world_size_of_group(),))
+    return _MESHES[device_type]
+
+
+def world_size_of_group() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else world_size()
+
+
 def shutdown() -> None:
     import torch.distributed as dist
 
+    _MESHES.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -52,6 +52,66 @@ def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
     assert fake_state == real_state > 0
 
 
+def _counted_on_gloo(rank: int, world: int, port: int, stack: str, queue) -> None:
+    """One rank of a real gloo group: the cell's steps on real CPU tensors under the counter."""
+    import os
+
+    import torch.distributed as dist
+
+    from bench import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    distributed.mesh("cpu")  # made before the counter, as the fake run makes it (a GPU run keeps it on the host)
+    cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack)), gpus=world)
+    counter, _, state = fake.counted_run(cell, Workspaces(), fake=False)
+    queue.put((rank, dict(counter.phase_peaks), counter.breakdown(counter.peak), state))
+    distributed.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stack", ["fsdp", "gc + fsdp(precision=mixed, reshard=false)"])
+def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> None:
+    """FSDP2 on 2 ranks, predicted in this process on torch's fake backend, against 2 real gloo
+    processes running the same steps on real tensors under the same counter: equal, phase for phase,
+    on every rank."""
+    import multiprocessing
+
+    from bench import distributed
+
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=2)
+    with fake._fake_process_group(cell):
+        predicted, _, predicted_state = fake.counted_run(cell, Workspaces())
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = distributed.free_port()
+    ranks = [context.Process(target=_counted_on_gloo, args=(r, 2, port, stack, queue)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    measured = sorted(queue.get(timeout=240) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    steps = {k: v for k, v in predicted.phase_peaks.items() if k != "build"}  # a real build makes temporaries
+    assert set(steps) >= {"first_step/forward", "first_step/backward", "first_step/optimizer", "measure/backward"}
+    for _, phase_peaks, at_peak, state in measured:
+        assert steps == {k: phase_peaks[k] for k in steps}
+        assert predicted.breakdown(predicted.peak) == at_peak
+        assert predicted_state == state
+
+
+def test_more_fsdp_ranks_hold_less_state_per_rank() -> None:
+    def predicted(ranks: int) -> dict:
+        cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("fsdp")), gpus=ranks)
+        found = fake.predict_cell(cell, gpus.get("h100"))
+        assert found["status"] == "ok", found.get("error")
+        return found
+
+    two, eight = predicted(2), predicted(8)
+    assert eight["optimizer_state_gib"] == pytest.approx(two["optimizer_state_gib"] / 4, rel=0.05)
+    assert eight["peak_allocated_gib"] < two["peak_allocated_gib"]
+
+
 def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline"))
     found = fake.fake_run(cell, gpus.get("h100"))
@@ -91,7 +151,7 @@ matrices:
     seq_lens: [64]
     batch_sizes: [2]
     gpus: [1, 2]
-    stacks: [baseline, zero2, fsdp, grad_accum(steps=4)]
+    stacks: [baseline, zero2, fsdp, ddp, grad_accum(steps=4)]
     steps: {warmup: 1, measure: 2}
   badmodel:
     models: [tiny-llama]
@@ -112,7 +172,9 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
     assert rows[("zero2", 1)]["status"] == "unsupported"
     assert rows[("zero2", 1)]["unsupported_reason"].startswith("zero2: the DeepSpeed engine")
-    assert rows[("fsdp", 2)]["unsupported_reason"].startswith("2 ranks: predicting several GPUs needs a fake process group")
+    assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
+    assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
+    assert rows[("ddp", 2)]["unsupported_reason"].startswith("ddp: DDP's reducer reads parameter storage")
     assert rows[("baseline", 2)]["status"] == "skipped"  # the plan's rule: several GPUs need an engine
     assert rows[("grad_accum(steps=4)", 1)]["skip_reason"].endswith("does not split into 4 equal micro-batches")
     base = rows[("baseline", 1)]  # the whole device: what the allocator reserves, and the H100's context

@@ -56,8 +56,9 @@ def wrap(job: EngineJob) -> tuple[FsdpEngine, Evidence]:
     offload = CPUOffloadPolicy() if job.setup.cpu_offload else OffloadPolicy()
     kinds = _layer_classes(model)
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    ranks = distributed.mesh(next(model.parameters()).device.type)
     for module in [*layers, model]:
-        fully_shard(module, mp_policy=policy, offload_policy=offload, reshard_after_forward=opts["reshard"])
+        fully_shard(module, mesh=ranks, mp_policy=policy, offload_policy=offload, reshard_after_forward=opts["reshard"])
     params = list(model.parameters())
     evidence = {
         "fsdp_units": len(layers) + 1,

@@ -20,6 +20,11 @@ CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autoc
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py).
 
+Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
+process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
+allocates its all-gather and reduce-scatter buffers as on a GPU, so the counter sees one rank's
+memory. FSDP2 pads every shard to the same size, so rank 0 stands for every rank.
+
 One thing transformers does differently on fake tensors: it treats them as tracing, so it cannot
 read position ids to see that a batch is not packed, and would build an explicit (B, 1, S, S) mask
 a real run never builds. The data layout is known, so the answer is given (`_packing_known`).
@@ -36,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from .. import data, measure, trainer
+from .. import data, distributed, measure, trainer
 from ..cells import Cell
 from . import allocator
 from .counter import MemoryCounter, Workspaces
@@ -54,14 +59,22 @@ AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
 }
 
 
+# Engines whose ranks the fake process group simulates (the others' cells need one GPU).
+FAKE_GROUP_ENGINES = ("fsdp",)
+
+
 def unsupported_reason(cell: Cell) -> str | None:
     """Why the fake run cannot predict this cell yet, or None."""
-    if cell.gpus > 1:
-        return f"{cell.gpus} ranks: predicting several GPUs needs a fake process group (not simulated yet)"
     for use in cell.stack.uses:
         if use.technique.not_predicted:
             return f"{use.name}: {use.technique.not_predicted}"
+    if cell.gpus > 1 and not _fake_group_engine(cell):
+        return f"{cell.gpus} ranks: only FSDP2's ranks are simulated (fake process group)"
     return None
+
+
+def _fake_group_engine(cell: Cell) -> bool:
+    return any(name in FAKE_GROUP_ENGINES for name in cell.stack.names)
 
 
 def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
@@ -71,7 +84,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         return {"status": "unsupported", "unsupported_reason": reason}
     start = time.perf_counter()
     try:
-        with _cell_env(cell):
+        with _cell_env(cell), _fake_process_group(cell):
             found = fake_run(cell, gpu)
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
@@ -245,6 +258,24 @@ def _cell_env(cell: Cell) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _fake_process_group(cell: Cell) -> Iterator[None]:
+    """For an FSDP2 cell: this process as rank 0 of `cell.gpus` ranks of torch's fake backend, and the
+    ranks' device mesh made before any tensor turns fake. Torn down after, so the next cell starts clean."""
+    if not _fake_group_engine(cell):
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cell.gpus)
+    try:
+        distributed.mesh("cpu")
+        yield
+    finally:
+        distributed.shutdown()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ TECHNIQUE = Technique(
     summary="DistributedDataParallel: full replica per GPU, gradients all-reduced in buckets",
     phase=Phase.ENGINE,
     slot="engine",
-    not_predicted="DDP's gradient buckets and its process group are not simulated yet",
+    # DDP's C++ reducer checks parameter shapes across ranks by reading real storage: a fake tensor has none.
+    not_predicted="DDP's reducer reads parameter storage at construction; fake tensors have none",
     options={"bucket_mb": 25, "bucket_view": False},
     ranges={"bucket_mb": "(0, inf)"},
     configure=_configure,

@@ -28,7 +28,6 @@ TECHNIQUE = Technique(
     summary="FSDP2 fully_shard per layer: weights, grads and optimizer state sharded over GPUs; gathers",
     phase=Phase.ENGINE,
     slot="engine",
-    not_predicted="FSDP2 on fake tensors needs a fake process group: not simulated yet",
     options={"precision": "pure", "reshard": True},
     choices={"precision": ("pure", "mixed")},
     # mixed: FSDP's own policy replaces autocast; quantized bases and bitsandbytes' optimizers do not
