@@ -106,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("--only", help="only cells whose id matches one of these globs (comma list)")
     pred.add_argument("--gpu", default="h100", help=f"GPU kind predicted for: {', '.join(gpus.GPUS)} (default h100)")
     pred.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
+    pred.add_argument("--host-memory-gib", type=float, help="the host's RAM, GiB: offload cells say whether they fit in it "
+                                                            "(host_fits; default: not judged)")
     pred.add_argument("--run-id", help="resume or name a prediction run (default: MATRIX-predicted-GPU-YYYYMMDD)")
     pred.add_argument("--jobs", type=int, default=1, help="processes predicting in parallel (default 1)")
     pred.add_argument("--redo", action="store_true", help="predict again the cells the run already has")
@@ -275,11 +277,12 @@ def cmd_site(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     matrix = spec.get(args.matrix_file, args.matrix)
     gpu = _gpu_kind(args.gpu)
-    if args.jobs < 1 or (args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0):
-        raise spec.SpecError("--jobs must be at least 1 and --gpu-memory-gib positive")
+    if args.jobs < 1 or any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
+        raise spec.SpecError("--jobs must be at least 1, --gpu-memory-gib and --host-memory-gib positive")
     planned = predict_runner.plan(matrix, args.only)
     run_id = args.run_id or f"{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
-    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, args.gpu_memory_gib, args.jobs, args.redo)
+    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, args.gpu_memory_gib, args.jobs, args.redo,
+                                         args.host_memory_gib)
     print(f"predict {run_id}: {len(planned)} cells of {matrix.name!r} for {gpu.name}, on this CPU (fake tensors)")
     rows = predict_runner.run(planned, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
     table = predict_runner.write_table(rows, opts, matrix.name)
@@ -294,6 +297,9 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
     if row["status"] == "ok":
         detail = (f"peak allocated {row['peak_allocated_gib']:.2f} GiB in {row['peak_phase']} ({row['peak_op']}), "
                   f"{row['predict_s']:.1f} s")
+        if row.get("host_peak_gib") is not None:
+            verdict = {True: "", False: ": host_oom", None: ""}[row.get("host_fits")]
+            detail += f", host {row['host_peak_gib']:.1f} GiB{verdict}"
     else:
         detail = str(row.get("unsupported_reason") or row.get("skip_reason") or row.get("error") or "").strip().splitlines()[-1]
     print(f"{row['status']:11} {cell.cell_id}  {detail}", flush=True)

@@ -128,8 +128,8 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 2  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
-# alloc_retries, step_trace_json
+PREDICTED_SCHEMA_VERSION = 3  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+# alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -144,7 +144,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("unsupported_reason", "str", "for unsupported: what the fake run does not cover yet (a technique, several ranks)"),
     ("skip_reason", "str", "for skipped: the plan's reason (excluded, a rule on the cell's shape)"),
     ("error", "str", "for error: the tail of the exception"),
-    ("prediction_method", "str", "how the figures were obtained (fake-run/N: the training step on fake tensors)"),
+    ("prediction_method", "str", "how the figures were obtained (fake-run/N: the training step on fake tensors; "
+                                 "hybrid/N: a ZeRO cell, DeepSpeed's model-state accounting + the fake run's "
+                                 "activations, bench/predict/hybrid.py)"),
     ("gpu_kind", "str", "the GPU predicted for (bench/predict/gpus.py): sets the cuBLAS workspace size"),
     ("gpu_memory_gib", "float", "memory of that GPU, GiB: measured capacity or --gpu-memory-gib; empty if unknown"),
     ("peak_allocated_gib", "float", "PREDICTED overall peak of allocated bytes (first step included), GiB"),
@@ -167,6 +169,12 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                      "allocator OOM; empty where the card or its context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "
                              "cache to retry (measured: num_alloc_retries); each costs a device synchronisation"),
+    ("model_states_gib", "float", "hybrid: weights, gradients and optimizer state per GPU by DeepSpeed's estimator, GiB"),
+    ("buckets_gib", "float", "hybrid: DeepSpeed's gradient reduction bucket per GPU (reduce_bucket_size), GiB"),
+    ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: DeepSpeed's "
+                               "estimate of the offloaded states (x1.5, its default allowance) + 1.53 GiB per worker "
+                               "process (measured), GiB"),
+    ("host_fits", "bool", "PREDICTED host_peak_gib <= the host's RAM (--host-memory-gib); False: expect host_oom"),
     ("headroom_gib", "float", "gpu_memory_gib - device_peak_gib (where known, else - peak_allocated_gib: then "
                               "reserved memory and the context are not counted), GiB; negative: does not fit"),
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",

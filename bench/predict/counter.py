@@ -260,6 +260,22 @@ class MemoryCounter(TorchDispatchMode):
     def alive_at(self, event: int) -> list[Record]:
         return [r for r in self.records if r.made <= event and (r.freed is None or r.freed > event)]
 
+    def peak_of_roles_except(self, roles: tuple[str, ...]) -> Peak:
+        """The most bytes ever alive at once among records of the other roles, and the allocation that
+        made it (at each event, frees before allocations, as the live total counts them)."""
+        deltas = []
+        for r in self.records:
+            if (r.role or "temporary") not in roles and r.made >= 0:
+                deltas.append((r.made, r.nbytes, r.where, r.op))
+                if r.freed is not None:
+                    deltas.append((r.freed, -r.nbytes, "", ""))
+        live, peak = 0, Peak()
+        for event, delta, where, op in sorted(deltas):
+            live += delta
+            if live > peak.nbytes:
+                peak = Peak(live, event, where, op)
+        return peak
+
     def breakdown(self, peak: Peak) -> dict[str, int]:
         """Bytes per role of what was alive at this peak."""
         totals = dict.fromkeys(ROLES, 0)

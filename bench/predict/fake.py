@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import data, distributed, measure, trainer
 from ..cells import Cell
-from . import allocator
+from . import allocator, hybrid
 from .counter import MemoryCounter, Workspaces
 from .gpus import GpuKind
 
@@ -64,10 +64,14 @@ FAKE_GROUP_ENGINES = ("fsdp",)
 
 
 def unsupported_reason(cell: Cell) -> str | None:
-    """Why the fake run cannot predict this cell yet, or None."""
+    """Why the fake run cannot predict this cell yet, or None. A ZeRO cell's engine is predicted as a
+    hybrid (bench/predict/hybrid.py): its other techniques must be ones the fake run covers."""
+    zero = hybrid.is_hybrid(cell)
     for use in cell.stack.uses:
-        if use.technique.not_predicted:
+        if use.technique.not_predicted and not (zero and use.name in hybrid.ENGINE_TECHNIQUES):
             return f"{use.name}: {use.technique.not_predicted}"
+    if zero:
+        return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
         return f"{cell.gpus} ranks: only FSDP2's ranks are simulated (fake process group)"
     return None
@@ -85,7 +89,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         with _cell_env(cell), _fake_process_group(cell):
-            found = fake_run(cell, gpu)
+            found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         return {"status": "error", "error": "\n".join(text.strip().splitlines()[-12:])}
@@ -97,7 +101,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes))
     at_peak = counter.breakdown(counter.peak)
     return {
-        **_reserved(cell, counter, gpu),
+        **reserved_columns(cell, counter, gpu),
         "peak_allocated_gib": counter.peak.nbytes / measure.GIB,
         "steady_peak_allocated_gib": counter.steady_peak.nbytes / measure.GIB,
         "peak_phase": counter.peak.where,
@@ -114,7 +118,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     }
 
 
-def _reserved(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
+def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
     """The trace replayed through the caching allocator's model: peak reserved and reserved after each
     step. Where the card's capacity and what lives outside torch are known, the replay is bounded by
     the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and

@@ -38,6 +38,7 @@ class PredictOptions:
     gpu_memory_gib: float | None  # the card's memory (None: the GPU kind's measured capacity, if known)
     jobs: int = 1
     redo: bool = False  # predict again cells the run already has
+    host_memory_gib: float | None = None  # the host's RAM: offload cells judged against it (host_fits)
 
     @property
     def card(self) -> gpus.GpuKind:
@@ -124,6 +125,8 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
     peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
     if memory is not None and peak is not None:
         row["headroom_gib"] = memory - peak
+    if opts.host_memory_gib is not None and row.get("host_peak_gib") is not None:
+        row["host_fits"] = row["host_peak_gib"] <= opts.host_memory_gib
     results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
     report(cell, row)
     return row

@@ -1,0 +1,136 @@
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method = hybrid/1`).
+
+The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
+so a ZeRO cell's memory is assembled from two sources:
+
+- **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU and on the
+  host, from DeepSpeed's own accounting: `estimate_zero2_model_states_mem_needs` and
+  `estimate_zero3_model_states_mem_needs`, fed the cell's parameter count, largest layer, ranks and
+  offload choices. Host RAM is DeepSpeed's figure with its default `additional_buffer_factor` (1.5,
+  DeepSpeed's allowance for pinned buffers and copies), plus one worker process per rank;
+- **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
+  engine techniques taken out (zero2/zero3/offload), the most of them alive at once: DeepSpeed
+  trains the bf16 model the same way, so what forward and backward allocate besides the model
+  states is the same;
+- plus the **gradient reduction bucket** DeepSpeed allocates on the GPU (`reduce_bucket_size`
+  elements of 16-bit gradients, the configured or default size).
+
+Peak reserved adds the fake run's own reserved-minus-allocated (the allocator's caching) to the
+hybrid allocated figure. All of it is an estimate until ZeRO cells are measured
+on a GPU: PREDICTION.md reports its error as soon as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .. import measure, trainer
+from ..cells import Cell
+from ..stacks import Stack
+from .counter import Peak, Workspaces
+from .gpus import GpuKind
+
+METHOD = "hybrid/1"
+ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
+# Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
+# published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
+WORKER_PROCESS_GIB = 1.53
+DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' default additional_buffer_factor for host RAM
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """DeepSpeed's accounting of one cell's model states, bytes."""
+
+    gpu_bytes: int  # per GPU
+    host_bytes: int  # the host's, all ranks of the cell together
+    bucket_bytes: int  # the gradient reduction bucket, per GPU
+
+
+def is_hybrid(cell: Cell) -> bool:
+    return any(name in ("zero2", "zero3") for name in cell.stack.names)
+
+
+def unsupported_reason(cell: Cell) -> str | None:
+    adapters = {"lora", "dora", "qlora", "int8_lora"}.intersection(cell.stack.names)
+    if adapters:
+        return f"{', '.join(sorted(adapters))} under ZeRO: DeepSpeed's estimator assumes every parameter trains"
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return "ZeRO: the hybrid prediction asks DeepSpeed's estimator, and deepspeed is not installed here"
+    return None
+
+
+def activation_cell(cell: Cell) -> Cell:
+    """The cell with its engine taken out: the plain engine runs the same bf16 forward and backward."""
+    kept = tuple(u for u in cell.stack.uses if u.name not in ENGINE_TECHNIQUES)
+    return replace(cell, stack=Stack(kept), gpus=1)
+
+
+def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> ModelStates:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    uses = {u.name: u.opts for u in cell.stack.uses}
+    offload = uses.get("offload", {})
+    optimizer_offload, params_offload = bool(offload.get("optimizer")), bool(offload.get("params"))
+    if "zero3" in uses:
+        host, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params, largest_layer_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
+            cpu_offload_params=params_offload, additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+    else:
+        host, gpu = estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
+            additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+    bucket_elements = int(DeepSpeedZeroConfig().reduce_bucket_size)  # the suite sets none: DeepSpeed's default
+    return ModelStates(int(gpu), int(host), min(bucket_elements, total_params) * 2)
+
+
+def largest_layer_params(model: Any) -> int:
+    """Parameters of the largest single module (its own, not its children's): what ZeRO-3 gathers at once."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+MODEL_STATE_ROLES = ("weight", "gradient", "optimizer_state")  # what DeepSpeed's accounting replaces
+
+
+def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStates, gpu: GpuKind) -> dict[str, Any]:
+    """The hybrid figures: DeepSpeed's model states and bucket, plus the peak of everything else the
+    fake run allocated (activations, temporaries, the batches, workspaces), plus its caching."""
+    allocated = (states.gpu_bytes + states.bucket_bytes + rest.nbytes) / measure.GIB
+    out: dict[str, Any] = {
+        "prediction_method": METHOD,
+        "peak_phase": rest.where,  # where the bytes besides the model states peak (those are there throughout)
+        "peak_op": rest.op,
+        "peak_allocated_gib": allocated,
+        "peak_reserved_gib": allocated + caching_gib,
+        "model_states_gib": states.gpu_bytes / measure.GIB,
+        "buckets_gib": states.bucket_bytes / measure.GIB,
+    }
+    if "offload" in cell.stack.names:
+        out["host_peak_gib"] = states.host_bytes / measure.GIB + cell.gpus * WORKER_PROCESS_GIB
+    if gpu.outside_torch_gib is not None:
+        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
+        if gpu.memory_gib is not None:
+            out["fits"] = out["device_peak_gib"] <= gpu.memory_gib
+    return out
+
+
+def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
+    """A ZeRO cell's prediction: the activation cell's fake run, then DeepSpeed's accounting."""
+    from . import fake
+
+    steps = activation_cell(cell)
+    counter, built, _ = fake.counted_run(steps, Workspaces(gpu.cublas_workspace_bytes))
+    rest = counter.peak_of_roles_except(MODEL_STATE_ROLES)
+    replayed = fake.reserved_columns(steps, counter, gpu)
+    caching_gib = (replayed.get("peak_reserved_gib") or 0.0) - counter.peak.nbytes / measure.GIB
+    meta = trainer.build_model(cell, device="meta").model
+    total = sum(p.numel() for p in meta.parameters())
+    states = model_states(cell, total, largest_layer_params(meta))
+    return {**hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu),
+            "total_params": total, "trainable_params": total, "flops_per_token": built.flops_per_token,
+            "allocations": len(counter.records)}
