@@ -165,8 +165,8 @@ def test_the_8b_zero2_adam_offload_field_case_is_predicted_host_oom_on_a_128_gib
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "host_oom" in proc.stdout
     row = pd.read_parquet(workdir / "results" / "field" / "predicted" / "f1.parquet").iloc[0]
-    assert row["host_fits"] == False and row["host_peak_gib"] > 128  # noqa: E712 (a numpy bool)
-    assert row["fits"] == True  # noqa: E712: the GPU keeps only the 16-bit weights
+    assert not row["host_fits"] and row["host_peak_gib"] > 128
+    assert row["fits"]  # the GPU keeps only the 16-bit weights
 
 
 def test_a_zero_cell_with_lora_is_not_predicted_as_if_every_parameter_trained() -> None:
