@@ -285,7 +285,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                                          args.host_memory_gib)
     print(f"predict {run_id}: {len(planned)} cells of {matrix.name!r} for {gpu.name}, on this CPU (fake tensors)")
     rows = predict_runner.run(planned, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
-    table = predict_runner.write_table(rows, opts, matrix.name)
+    table = predict_runner.write_table(opts, matrix)
     accuracy = predict_report.publish(args.results_dir)
     counts = Counter(r["status"] for r in rows)
     print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}\npredictions: {table}\n"

@@ -58,7 +58,8 @@ class Figure:
         if self.source == "predicted":
             value = self.gib(column)
             over = " > card" if value is not None and value > float(CARD.memory_gib or 0) else ""
-            return f"*{gib(value)}{over}*" if value is not None else "n/p"
+            hybrid = "†" if str(self.row.get("prediction_method", "")).startswith("hybrid") else ""  # type: ignore[union-attr]
+            return f"*{gib(value)}{over}*{hybrid}" if value is not None else "n/p"
         return "n/p" if self.note else "–"
 
 
@@ -187,6 +188,9 @@ def axolotl(sources: Sources) -> list[str]:
     predicted = sources.prediction(gc)  # its breakdown at the peak: what ZeRO-3 divides and what it does not
     if predicted.row is None:
         return [*lines, "**Answer:** not yet: the gc cell at micro-batch 4 is not predicted.", ""]
+    ranks = sources.planned("axolotl3b-ranks")
+    lines += ["Matrix `axolotl3b-ranks`: the report's 8 GPUs, per GPU, FSDP2 (ZeRO-3's partitioning in torch) on "
+              "8 ranks, each rank simulated on torch's fake process group:", "", *grid(sources, ranks)]
     row = predicted.row
     states = sum(row.get(f"at_peak_{k}_gib") or 0.0 for k in ("weights", "gradients", "optimizer_state"))
     rest = float(row["peak_allocated_gib"]) - states
@@ -202,7 +206,20 @@ def axolotl(sources: Sources) -> list[str]:
             "the loss over the 128k-vocabulary logits, which Liger's fused linear cross-entropy never materialises, "
             "so \"under 10 GB\" hinges on the `gc + liger` cells (Triton: measured only, in the GPU backlog). One GPU "
             f"at micro-batch 4 needs {sources.figure(gc, number=True).quote()} with gc"
-            + (f", {no_gc.quote()} without." if no_gc.gib() is not None else "."), ""]
+            + (f", {no_gc.quote()} without." if no_gc.gib() is not None else ".")
+            + _eight_ranks(sources, ranks), ""]
+
+
+def _eight_ranks(sources: Sources, ranks: list[cells.Cell]) -> str:
+    """The simulated 8-rank figures at micro-batch 4, without and with gc (fp32 master weights, as DeepSpeed)."""
+    found = {stack: sources.figure(_find(ranks, "llama-3.2-3b", 4096, 4, stack), number=True)
+             for stack in ("fsdp(precision=mixed)", "gc + fsdp(precision=mixed)")}
+    if any(f.gib() is None for f in found.values()):
+        return ""
+    no_gc, with_gc = found.values()
+    return (f" Simulated on 8 ranks (FSDP2, fp32 master weights as DeepSpeed keeps them), micro-batch 4 needs "
+            f"{no_gc.quote()} per GPU without gc and {with_gc.quote()} with it, peak allocated: the states are divided "
+            "by 8, the loss over the logits is not.")
 
 
 def openrlhf(sources: Sources) -> list[str]:
@@ -225,7 +242,22 @@ def openrlhf(sources: Sources) -> list[str]:
         return [*lines, "**Answer:** not yet: neither measured nor predicted.", ""]
     return [*lines, "**Answer:** " + "; ".join(answers) + ". fp32 master weights (`mixed`, as DeepSpeed's bf16 keeps "
             "them) pass build and backward and break at the optimizer step, when Adam's two fp32 states appear: the "
-            "report's pattern. The fix's ZeRO-2 + offload cells need the GPU (not predicted yet).", ""]
+            "report's pattern." + _offload_fix(sources, planned), ""]
+
+
+def _offload_fix(sources: Sources, planned: list[cells.Cell]) -> str:
+    """The fix's ZeRO-2 + Adam offload at seq 128: GPU and host memory (hybrid prediction where not measured)."""
+    figure = sources.figure(_find(planned, "llama-3.1-8b", 128, 1, "gc + offload + zero2"), number=True)
+    if figure.gib() is None:
+        return " The fix's ZeRO-2 + offload cells are neither measured nor predicted yet."
+    host = figure.gib("host_peak_gib") if figure.source == "predicted" else figure.gib("host_rss_peak_gib")
+    if host is None:
+        return f" The fix (`gc + offload + zero2`) needs {figure.quote()} on the GPU."
+    verdict = "more than the 128 GiB host of the field case: `host_oom`" if host > 128 else "within a 128 GiB host"
+    return (f" The fix (`gc + offload + zero2`) needs {figure.quote()} on the GPU but "
+            f"{figure.quote(host)} of host RAM, {verdict} (fp32 master weights, fp32 gradients and Adam's moments "
+            "move to the host" + (", by DeepSpeed's own estimate with its 1.5x allowance; † = hybrid prediction)"
+                                  if figure.source == "predicted" else ")") + ".")
 
 
 def staircase(sources: Sources) -> list[str]:
@@ -338,7 +370,9 @@ def markdown(sources: Sources) -> str:
              "Each question comes from a user's report; each figure from the published tables: **bold** = measured "
              f"on a GPU ({', '.join(_measured_on(sources)) or 'none yet'}), *italic* = predicted by `bench predict` "
              f"for an {CARD.name} ({sources.error_line()}); each table says which peak it shows, "
-             "`> card` = predicted not to fit, `n/p` = a stack the fake run cannot see yet, `–` = in the GPU backlog. "
+             "`> card` = predicted not to fit, `†` = a hybrid prediction (a ZeRO cell: DeepSpeed's model-state "
+             "accounting + the fake run's activations), `n/p` = a stack the fake run cannot see yet, `–` = in the GPU "
+             "backlog. "
              "Generated by `python -m bench scenarios`; never edited by hand.", ""]
     for scenario in SCENARIOS:
         lines += scenario(sources)

@@ -247,6 +247,10 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
 
     again = run_bench(workdir, "predict", "p", "--run-id", "p1")  # resumes: nothing predicted twice
     assert again.returncode == 0 and "ok          tiny-llama" not in again.stdout
+    narrowed = run_bench(workdir, "predict", "p", "--run-id", "p1", "--only", "*zero2*", "--redo")
+    assert narrowed.returncode == 0 and "ok          tiny-llama_s64_b2_zero2" in narrowed.stdout
+    again_table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
+    assert list(again_table["cell_id"]) == list(table["cell_id"])  # --only adds to the run's table, never shrinks it
 
     for args, message in ((("predict", "nope"), "nope"), (("predict", "p", "--only", "*zzz*"), "matches no cell"),
                           (("predict", "p", "--gpu", "h900"), "unknown GPU kind 'h900'"),

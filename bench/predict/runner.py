@@ -77,9 +77,14 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     return [rows[pc.cell.cell_id] for pc in planned if pc.cell.cell_id in rows]
 
 
-def write_table(rows: list[dict[str, Any]], opts: PredictOptions, matrix: str) -> Path:
-    path = opts.results_dir / matrix / "predicted" / f"{opts.run_id}.parquet"
-    results.write_parquet(rows, path, results.PREDICTED)
+def write_table(opts: PredictOptions, matrix: MatrixSpec) -> Path:
+    """The run's table: every row the run has, not only those this invocation predicted (a run
+    resumed with --only adds to its table), in the matrix's plan order."""
+    rows = results.read_raw(opts.results_dir / "raw" / opts.run_id, results.PREDICTED)
+    order = {pc.cell.cell_id: i for i, pc in enumerate(plan(matrix, None))}
+    ordered = sorted(rows.values(), key=lambda r: (order.get(r["cell_id"], len(order)), r["cell_id"]))
+    path = opts.results_dir / matrix.name / "predicted" / f"{opts.run_id}.parquet"
+    results.write_parquet(ordered, path, results.PREDICTED)
     return path
 
 
