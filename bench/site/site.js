@@ -81,6 +81,11 @@ function buildFilters() {
 // ---- what fits in N GiB -----------------------------------------------------------------------------
 function predictorNote(cell) {
   if (cell.error !== null && cell.error !== undefined) return "predicted; this cell measured: error " + pct(cell.error);
+  const method = (cell.row && cell.row.prediction_method) || "";
+  if (method.startsWith("hybrid")) {
+    return "predicted (hybrid: DeepSpeed's model-state accounting + the fake run); no measured ZeRO cell checks it yet";
+  }
+  if (cell.gpus > 1) return `predicted on a fake process group (${cell.gpus} ranks); no measured multi-GPU cell checks it yet`;
   const p = DATA.predictor;
   if (!p.cells) return "predicted; not yet checked against a measurement";
   return `predicted; error over ${p.cells} measured cells: median ${(100 * p.median_abs_error).toFixed(2)}%, ` +
@@ -102,7 +107,7 @@ function renderFits() {
   const out = document.getElementById("fits-out");
   out.replaceChildren();
   const onCard = shownCells().filter((c) => c.gpu !== "CPU" && c.device_gib !== null && c.device_gib !== undefined
-    && c.status === "ok" && c.row.fits !== false);
+    && c.status === "ok" && c.row.fits !== false && c.row.host_fits !== false);
   const grid = el("div", { class: "fit-grid" });
   const groups = groupBy(onCard, (c) => `${c.model} · seq ${c.seq_len}`);
   for (const [title, group] of [...groups.entries()].sort()) {
