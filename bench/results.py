@@ -161,8 +161,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("at_peak_inputs_gib", "float", "at the predicted peak: the batches (all steps', as on the GPU), GiB"),
     ("at_peak_workspace_gib", "float", "at the predicted peak: cuBLAS workspaces (per GPU kind), GiB"),
     ("peak_reserved_gib", "float", "PREDICTED peak reserved: the fake run's allocations and frees replayed through "
-                                   "a model of the caching allocator (bench/predict/allocator.py), bounded by the card "
-                                   "where it is known; empty with expandable_segments (not modelled), GiB"),
+                                   "a model of the caching allocator (bench/predict/allocator.py; with expandable_segments, "
+                                   "its pages mapped on demand), bounded by the card where it is known, GiB"),
     ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
                                  "outside torch (CUDA context; measured per kind), GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench.predict import allocator
@@ -9,9 +11,10 @@ from bench.predict import allocator
 MIB = 1 << 20
 
 
-def _reserved(*events: tuple[str, int, float], capacity_mib: float | None = None) -> allocator.Replay:
+def _reserved(*events: tuple[str, int, float], capacity_mib: float | None = None, expandable: bool = False) -> Any:
     capacity = None if capacity_mib is None else int(capacity_mib * MIB)
-    return allocator.replay([(kind, ident, int(mib * MIB)) for kind, ident, mib in events], capacity)
+    return allocator.replay([(kind, ident, int(mib * MIB)) for kind, ident, mib in events], capacity,
+                            expandable=expandable)
 
 
 def test_small_requests_share_2_mib_segments() -> None:
@@ -63,3 +66,33 @@ def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:
 def test_segment_sizes(nbytes: int) -> None:
     expected = 2 * MIB if nbytes <= MIB else 20 * MIB if nbytes < 10 * MIB else 12 * MIB if nbytes > 10 * MIB else 10 * MIB
     assert allocator.segment_size(nbytes) == expected
+
+
+# --- expandable_segments: one address range per pool, pages mapped on demand ---
+
+
+def test_expandable_segments_map_20_mib_pages_and_a_freed_range_holds_a_larger_request() -> None:
+    trace = (("malloc", 0, 30), ("free", 0, 30), ("malloc", 1, 35))
+    assert _reserved(*trace, expandable=True).peak_reserved_bytes == 40 * MIB  # two pages; 35 fits in the 40 mapped
+    assert _reserved(*trace).peak_reserved_bytes == (30 + 36) * MIB  # native: a 30 MiB segment does not hold 35
+
+
+def test_an_expandable_segment_grows_in_place_from_its_free_tail() -> None:
+    # 10 MiB on a fresh 20 MiB page leaves a free 10 MiB tail; a 15 MiB request extends that tail by one page
+    grown = _reserved(("malloc", 0, 10), ("malloc", 1, 15), expandable=True)
+    assert grown.peak_reserved_bytes == 40 * MIB
+    # the 15 MiB still free at its end then holds a 5 MiB request: nothing new mapped
+    assert _reserved(("malloc", 0, 10), ("malloc", 1, 15), ("malloc", 2, 5), expandable=True).peak_reserved_bytes == 40 * MIB
+    assert _reserved(("malloc", 0, 10), ("malloc", 1, 15)).peak_reserved_bytes == (10 + 16) * MIB  # native
+
+
+def test_small_requests_map_2_mib_pages_of_their_own_range() -> None:
+    state = _reserved(*[("malloc", i, 0.5) for i in range(5)], expandable=True)
+    assert state.peak_reserved_bytes == 4 * MIB
+
+
+def test_expandable_segments_unmap_free_pages_and_retry_before_an_oom() -> None:
+    retried = _reserved(("malloc", 0, 30), ("free", 0, 30), ("malloc", 1, 0.5), capacity_mib=40, expandable=True)
+    assert retried.oom_at is None and retried.retries == 1 and retried.reserved_bytes == 2 * MIB
+    failed = _reserved(("malloc", 0, 30), ("malloc", 1, 15), capacity_mib=40, expandable=True)
+    assert failed.oom_at == 1

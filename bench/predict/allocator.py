@@ -17,8 +17,18 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
 - when a new segment would not fit on the card, every fully free segment is released and the
   request retried; if it still does not fit, the allocator raises an OOM.
 
-Not modelled: `expandable_segments` (segments grow in place), `max_split_size_mb`, the garbage
-collection threshold, several streams (NCCL, offload copies), CUDA graphs.
+With `expandable_segments:True` (ExpandableReplay) each pool is one virtual address range whose
+physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
+
+- a request still takes the best-fitting free mapped block first;
+- none: the lowest-addressed run of free and unmapped space that holds it (starting at a free block
+  just before an unmapped one, so the new pages extend it) gets pages mapped until it does;
+- any block is split when at least 512 B would be left over (both pools);
+- freed blocks merge with free mapped neighbours and stay mapped (reserved);
+- when mapping would exceed the card, every whole free page is unmapped and the request retried.
+
+Not modelled: `max_split_size_mb`, the garbage collection threshold, several streams (NCCL,
+offload copies), CUDA graphs.
 """
 
 from __future__ import annotations
@@ -143,6 +153,108 @@ class Replay:
                 del self._heads[segment]
 
 
+@dataclass(eq=False)
+class Span:
+    """A piece of an expandable segment's address range: handed out, free (mapped), or unmapped."""
+
+    address: int
+    size: int
+    state: str  # allocated | free | unmapped
+
+
+@dataclass
+class ExpandableReplay:
+    """The allocator with expandable segments: one growing address range per pool (see above)."""
+
+    capacity_bytes: int | None = None
+    reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    oom_at: int | None = None
+    samples: list[int] = field(default_factory=list)
+    retries: int = 0
+    _spans: dict[bool, list[Span]] = field(default_factory=lambda: {
+        small: [Span(0, 1 << 60, "unmapped")] for small in (True, False)})
+
+    def malloc(self, nbytes: int) -> Span | None:
+        small = nbytes <= SMALL_REQUEST
+        spans = self._spans[small]
+        found = self._best_fit(spans, nbytes) or self._map_for(spans, nbytes, small)
+        if found is None:
+            self.retries += 1
+            self._unmap_free_pages()
+            found = self._map_for(spans, nbytes, small)
+            if found is None:
+                return None
+        at = spans.index(found)
+        if found.size - nbytes >= MIN_BLOCK:  # both pools split down to 512 B
+            spans.insert(at + 1, Span(found.address + nbytes, found.size - nbytes, "free"))
+            found.size = nbytes
+        found.state = "allocated"
+        return found
+
+    def free(self, span: Span) -> None:
+        for spans in self._spans.values():
+            if span in spans:
+                span.state = "free"
+                _merge_around(spans, spans.index(span))
+                return
+
+    @staticmethod
+    def _best_fit(spans: list[Span], nbytes: int) -> Span | None:
+        fits = [s for s in spans if s.state == "free" and s.size >= nbytes]
+        return min(fits, key=lambda s: (s.size, s.address)) if fits else None
+
+    def _map_for(self, spans: list[Span], nbytes: int, small: bool) -> Span | None:
+        """Maps pages after the lowest run of free + unmapped space that holds the request; the run,
+        merged into one free block, or None if the pages do not fit on the card."""
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        for i, span in enumerate(spans):
+            if span.state != "unmapped":
+                continue
+            start = i - 1 if i > 0 and spans[i - 1].state == "free" else i
+            have = spans[start].size if start < i else 0
+            need_pages = -(-max(nbytes - have, 0) // page) * page
+            if need_pages > span.size:
+                continue  # a hole too small: look further (the last span never is)
+            if self.capacity_bytes is not None and self.reserved_bytes + need_pages > self.capacity_bytes:
+                return None
+            self.reserved_bytes += need_pages
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+            if need_pages < span.size:
+                spans.insert(i + 1, Span(span.address + need_pages, span.size - need_pages, "unmapped"))
+            span.size, span.state = need_pages, "free"
+            return spans[_merge_around(spans, i)]
+        return None
+
+    def _unmap_free_pages(self) -> None:
+        """release_cached_blocks: every whole page inside a free block is unmapped."""
+        for small, spans in self._spans.items():
+            page = SMALL_SEGMENT if small else LARGE_SEGMENT
+            for span in [s for s in spans if s.state == "free"]:
+                begin = -(-span.address // page) * page
+                end = (span.address + span.size) // page * page
+                if end <= begin:
+                    continue
+                self.reserved_bytes -= end - begin
+                at = spans.index(span)
+                pieces = [Span(span.address, begin - span.address, "free"), Span(begin, end - begin, "unmapped"),
+                          Span(end, span.address + span.size - end, "free")]
+                spans[at:at + 1] = [p for p in pieces if p.size > 0]
+            for i in range(len(spans) - 1, 0, -1):
+                if spans[i].state == spans[i - 1].state == "unmapped":
+                    spans[i - 1].size += spans.pop(i).size
+
+
+def _merge_around(spans: list[Span], at: int) -> int:
+    """Merges the free span at `at` with free neighbours; returns the merged span's index."""
+    if at + 1 < len(spans) and spans[at + 1].state == "free" and spans[at].state == "free":
+        spans[at].size += spans.pop(at + 1).size
+    if at > 0 and spans[at - 1].state == "free" and spans[at].state == "free":
+        spans[at - 1].size += spans.pop(at).size
+        at -= 1
+    return at
+
+
 def _should_split(rest: int, small: bool) -> bool:
     """A small block is split down to 512 B; a large one only when more than 1 MiB would be left over."""
     return rest >= MIN_BLOCK if small else rest > SMALL_REQUEST
@@ -179,11 +291,12 @@ def positions(records: list[Any], event_counts: list[int]) -> list[int]:
 
 
 def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = None,
-           samples: Iterable[int] = ()) -> Replay:
+           samples: Iterable[int] = (), expandable: bool = False) -> Replay | ExpandableReplay:
     """Replays ("malloc" | "free", id, bytes) events in order; stops at the first OOM. `samples`:
-    after how many events to read reserved memory (Replay.samples)."""
-    state = Replay(capacity_bytes)
-    live: dict[int, Block] = {}
+    after how many events to read reserved memory (Replay.samples). `expandable`: with
+    expandable_segments (ExpandableReplay)."""
+    state: Replay | ExpandableReplay = ExpandableReplay(capacity_bytes) if expandable else Replay(capacity_bytes)
+    live: dict[int, Any] = {}
     wanted = sorted(samples)
     events = list(events)
     for index, (kind, ident, nbytes) in enumerate(events):

@@ -124,14 +124,14 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and
     retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
     cell would need)."""
-    if "expandable_segments" in cell.stack.names:
-        return {}  # segments that grow in place: not modelled (bench/predict/allocator.py)
+    expandable = "expandable_segments" in cell.stack.names  # pages mapped on demand (allocator.ExpandableReplay)
     events = allocator.trace(counter.records)
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps])
-    state = allocator.replay(events, samples=at_steps)
+    state = allocator.replay(events, samples=at_steps, expandable=expandable)
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
-        bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps)
+        bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps,
+                                   expandable)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
             state = bounded
