@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .measure import GIB, nvml_device_handle
 
-OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes")  # import names
+OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes", "torchao")  # import names
 VERSIONED = ("torch", "transformers", "peft", "deepspeed", "liger-kernel", "bitsandbytes", "accelerate")
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,6 +20,7 @@ import os
 import resource
 import statistics
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 GIB = 2**30
@@ -64,10 +65,23 @@ def host_rss_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
 
 
-def tensor_gib(tensors: Any) -> float:
-    """Bytes held by these tensors in this process; a sharded DTensor (FSDP) counts its local shard."""
-    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in local) / GIB
+def storage_tensors(tensors: Iterable[Any]) -> Iterator[Any]:
+    """The tensors that own memory: a wrapper subclass stands for the tensors inside it (FSDP2's DTensor
+    for its local shard, torchao's quantized optimizer state for its codes and scales)."""
+    from torch import Tensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for tensor in tensors:
+        if is_traceable_wrapper_subclass(tensor):
+            inner, _ = tensor.__tensor_flatten__()
+            yield from storage_tensors(t for t in (getattr(tensor, name) for name in inner) if isinstance(t, Tensor))
+        else:
+            yield tensor
+
+
+def tensor_gib(tensors: Iterable[Any]) -> float:
+    """Bytes held by these tensors in this process (a wrapper subclass: the tensors inside it)."""
+    return sum(t.numel() * t.element_size() for t in storage_tensors(tensors)) / GIB
 
 
 def step_time_stats(step_s: list[float]) -> dict[str, float]:

@@ -33,7 +33,8 @@ matrices:
     stacks: [baseline, adamw(impl=foreach), adamw(impl=forloop), adamw8bit, eager_attention, gc + adamw8bit,
              grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit,
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
-             gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora]
+             gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
+             torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8)]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -43,6 +44,7 @@ matrices:
 @pytest.mark.timeout(600)
 def test_catalogue_on_cpu(workdir: Path) -> None:
     pytest.importorskip("bitsandbytes")
+    pytest.importorskip("torchao")
     write_matrix(workdir, CATALOGUE)
     proc = run_bench(workdir, "run", "cat", "--run-id", "c", "--prefork", "on")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -75,6 +77,14 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     assert rows["adamw8bit"]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
     assert losses["adamw8bit"][0] == pytest.approx(base[0], rel=1e-3)
     assert rows["gc + adamw8bit"]["status"] == "ok"
+    # torchao's: its quantized moments counted by the tensors inside them; same first loss; 4-bit smaller than 8
+    torchao = {b: rows[f"torchao_adamw{b}"] for b in ("", "(state=int4)", "(state=fp8)")}
+    for label, row in torchao.items():
+        assert row["status"] == "ok", (label, row.get("error"))
+        assert row["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"], label
+        assert losses[f"torchao_adamw{label}"][0] == pytest.approx(base[0], rel=1e-3)
+    assert torchao["(state=int4)"]["optimizer_state_gib"] < torchao[""]["optimizer_state_gib"]
+    assert json.loads(torchao[""]["evidence_json"])["torchao_optimizer"] == "AdamW8bit"
 
     assert rows["grad_accum(steps=4)"]["skip_reason"] == "grad_accum(steps=4): batch 2 does not split into 4 equal micro-batches"
 

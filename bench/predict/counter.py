@@ -23,14 +23,16 @@ the records alive at that event.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..measure import storage_tensors
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
@@ -117,7 +119,7 @@ class MemoryCounter(TorchDispatchMode):
             return out
         # A wrapper subclass (FSDP2's DTensor) owns no memory: the tensors inside it do. Its op's own
         # allocations ran on those while this mode was off, so they are counted here, at their size.
-        for tensor in _plain(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
+        for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
             self.track(tensor, op)
             if func.is_view:
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
@@ -250,7 +252,7 @@ class MemoryCounter(TorchDispatchMode):
         self.on_optimizer = self.after_step = tuple
 
     def _mark(self, tensors: Iterable[Any], role: str) -> None:
-        for tensor in _plain(tensors):
+        for tensor in storage_tensors(tensors):
             index = self._record_of.get(tensor.untyped_storage())
             if index is not None and self.records[index].role is None:
                 self.records[index].role = role
@@ -283,12 +285,3 @@ class MemoryCounter(TorchDispatchMode):
             totals[record.role or "temporary"] += record.nbytes
         return totals
 
-
-def _plain(tensors: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """The tensors that own memory: a wrapper subclass (DTensor) stands for the tensors inside it."""
-    for tensor in tensors:
-        if is_traceable_wrapper_subclass(tensor):
-            inner, _ = tensor.__tensor_flatten__()
-            yield from _plain(t for t in (getattr(tensor, name) for name in inner) if isinstance(t, torch.Tensor))
-        else:
-            yield tensor
