@@ -283,9 +283,15 @@ def staircase(sources: Sources) -> list[str]:
                 "for full-length padding, because each new longest batch needs blocks no cached one holds; near the "
                 "card the allocator frees its cache and retries (each retry a device synchronisation) rather than "
                 "fail." if ra is not None and rb is not None else "")
+    fe = sources.figure(_find(planned, "llama-3.1-8b", 4096, 1, "expandable_segments + gc + dynamic_padding"),
+                        number=True)
+    expandable = fe.gib("peak_reserved_gib")
+    pages = (f" The fix that targets it, `expandable_segments`, keeps the same batches at {fe.quote(expandable)} "
+             "reserved: pages mapped on demand let a longer batch extend a cached block instead of needing a new one."
+             if expandable is not None and ra is not None else "")
     return [*lines, f"**Answer:** padding each batch to its longest document does not lower the peak allocated: its "
             f"widest batch needs {fa.quote()} against {fb.quote()} padded to 4096 ({(a - b) / b:+.1%}); it saves "
-            f"compute on short batches.{reserved}", ""]
+            f"compute on short batches.{reserved}{pages}", ""]
 
 
 def _stairs(sources: Sources, planned: list[cells.Cell]) -> list[str]:
