@@ -34,7 +34,7 @@ matrices:
              grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit,
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
              gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
-             torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8)]
+             torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -55,7 +55,8 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     # Same math, other kernels: the same losses up to bf16 rounding.
     for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention", "grad_accum", "chunked_ce(chunks=3)",
                   "chunked_ce + gc", "optimizer_in_backward", "activation_offload(min_bytes=0)",
-                  "activation_offload(min_bytes=0) + gc", "selective_gc", "selective_gc(every=1, ops=matmuls)"):
+                  "activation_offload(min_bytes=0) + gc", "selective_gc", "selective_gc(every=1, ops=matmuls)",
+                  "compile", "compile + gc"):
         assert losses[exact] == pytest.approx(base, rel=1e-3), exact
     assert json.loads(rows["chunked_ce(chunks=3)"]["evidence_json"])["chunked_ce_chunks"] == 3
     dora, lora = (json.loads(rows[s]["evidence_json"]) for s in ("dora", "lora"))
@@ -72,6 +73,9 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     assert offloaded["activation_offload(min_bytes=0)"]["activation_offload_gib"] > \
         offloaded["activation_offload(min_bytes=0) + gc"]["activation_offload_gib"] > 0  # gc saves layer inputs only
     assert json.loads(rows["eager_attention"]["evidence_json"]) == {"attn_implementation": "eager"}
+    compiled = json.loads(rows["compile"]["evidence_json"])  # tiny-llama: 2 decoder layers, one shape
+    assert compiled["compiled_modules"] == 2 and 1 <= compiled["compile_graphs"] <= 4  # settled: no recompile per step
+    assert rows["compile"]["first_step_s"] > rows["baseline"]["first_step_s"]  # compilation: the first step, not measured
 
     # 8-bit states: less optimizer memory than bf16 AdamW's two bf16 moments, same first loss.
     assert rows["adamw8bit"]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
