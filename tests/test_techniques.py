@@ -34,7 +34,8 @@ matrices:
              grad_accum, grad_accum(steps=4), liger, expandable_segments, paged_adamw8bit,
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
              gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
-             torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile]
+             torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile,
+             galore(rank=8), "apollo(rank=1, scale_type=tensor)"]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -45,6 +46,8 @@ matrices:
 def test_catalogue_on_cpu(workdir: Path) -> None:
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("torchao")
+    pytest.importorskip("galore_torch")
+    pytest.importorskip("apollo_torch")
     write_matrix(workdir, CATALOGUE)
     proc = run_bench(workdir, "run", "cat", "--run-id", "c", "--prefork", "on")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -89,6 +92,11 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         assert losses[f"torchao_adamw{label}"][0] == pytest.approx(base[0], rel=1e-3)
     assert torchao["(state=int4)"]["optimizer_state_gib"] < torchao[""]["optimizer_state_gib"]
     assert json.loads(torchao[""]["evidence_json"])["torchao_optimizer"] == "AdamW8bit"
+    # low-rank gradient optimizers: every decoder weight projected (tiny-llama: 2 layers x 7), the state smaller
+    for stack, name in (("galore(rank=8)", "galore"), ("apollo(rank=1, scale_type=tensor)", "apollo")):
+        assert json.loads(rows[stack]["evidence_json"])[f"{name}_projected_params"] == 14
+        assert rows[stack]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
+        assert losses[stack][0] == pytest.approx(base[0], rel=1e-3)
 
     assert rows["grad_accum(steps=4)"]["skip_reason"] == "grad_accum(steps=4): batch 2 does not split into 4 equal micro-batches"
 
