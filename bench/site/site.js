@@ -107,11 +107,12 @@ function renderFits() {
   const out = document.getElementById("fits-out");
   out.replaceChildren();
   const onCard = shownCells().filter((c) => c.gpu !== "CPU" && c.device_gib !== null && c.device_gib !== undefined
-    && c.status === "ok" && c.row.fits !== false && c.row.host_fits !== false);
+    && c.status === "ok");  // device_gib is what the cell needs, on any card
   const grid = el("div", { class: "fit-grid" });
   const groups = groupBy(onCard, (c) => `${c.model} · seq ${c.seq_len}`);
   for (const [title, group] of [...groups.entries()].sort()) {
-    const fitting = group.filter((c) => c.device_gib <= state.budget);
+    // an offload cell predicted to overflow its host (host_fits false) does not fit, whatever the card
+    const fitting = group.filter((c) => c.device_gib <= state.budget && c.row.host_fits !== false);
     const stacks = new Set(group.map((c) => c.stack)).size;
     const rows = fitsFor(fitting);
     const fastest = rows.find((c) => c.source === "measured");
