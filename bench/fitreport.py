@@ -77,15 +77,16 @@ def publish_predicted(summary: list[dict], predictions: list[dict], out_dir: Pat
 
 def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:
     first = predictions.iloc[0]
+    methods = ", ".join(sorted(set(predictions["prediction_method"].dropna())))
     lines = [f"# PREDICTED: fits on my GPU, `{first['matrix']}`", "",
              f"- **Predictions, not measurements**: run `{first['run_id']}`, each probe a fake run of the training step "
-             f"(`bench predict`, method {first['prediction_method']}) for {gpu_name}, on {first['cpu_name']} with torch "
+             f"(`bench predict`, method {methods}) for {gpu_name}, on {first['cpu_name']} with torch "
              f"{first['torch_version']}, transformers {first['transformers_version']}; {len(predictions)} cells predicted "
              f"in {predictions['predict_s'].sum() / 60:.1f} min.",
              "- A cell fits a budget when its predicted device peak is within it: the fake run's allocations replayed "
              "through a model of the caching allocator (peak reserved, fragmentation included) plus what the GPU kind "
-             "keeps outside torch (the CUDA context, measured). Where reserved memory is not modelled "
-             "(expandable_segments), peak allocated decides: an upper bound of what fits.",
+             "keeps outside torch (the CUDA context, measured); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
+             "accounting + the fake run's other bytes; method hybrid/1).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
