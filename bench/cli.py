@@ -269,7 +269,11 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 
 def cmd_site(args: argparse.Namespace) -> int:
     from .site import write_site  # markdown-it and the page's assets only when a page is written
+    from .site.data import published_tables
 
+    if not published_tables(args.results_dir):
+        raise spec.SpecError(f"no published tables under {args.results_dir} (<matrix>/runs/*.parquet, "
+                             "<matrix>/predicted/*.parquet): nothing to put on a page")
     print(f"site: {write_site(args.results_dir, args.out, args.results_url)}")
     return 0
 

@@ -99,6 +99,15 @@ def test_the_page_is_one_file_with_everything_inlined(tmp_path: Path) -> None:
     assert 'href="#prediction"' in text
 
 
+def test_a_results_folder_without_tables_is_refused(tmp_path: Path) -> None:
+    from conftest import run_bench
+
+    (tmp_path / "results").mkdir()
+    proc = run_bench(tmp_path, "site", "--out", str(tmp_path / "site"))
+    assert proc.returncode == 2 and "no published tables" in proc.stderr
+    assert not (tmp_path / "site").exists()
+
+
 # ---- in a real browser -------------------------------------------------------------------------------
 
 
