@@ -38,15 +38,15 @@ FOLDED_COLUMNS = (
     ("peak_spread", "float", "(max - min) / min of the stable peak across repeats (allocated on a GPU)"),
 )
 UNITS = (("_gib", "GiB"), ("_ms_p10", "ms"), ("_ms_p50", "ms"), ("_ms_p90", "ms"), ("tokens_per_s", "tokens/s"),
-         ("tokens_per_s_per_gpu", "tokens/s"), ("_per_s", "tokens/s"), ("_s", "s"), ("mfu", "fraction 0..1"),
-         ("_frac", "fraction"), ("_params", "parameters"), ("_per_token", "FLOPs/token"))
+         ("tokens_per_s_per_gpu", "tokens/s per GPU"), ("_s", "s"), ("mfu", "fraction 0..1"), ("_frac", "fraction"),
+         ("_params", "parameters"), ("_per_token", "FLOPs/token"))
 
 
 @dataclass(frozen=True)
 class SiteData:
     cells: list[dict[str, Any]]
     columns: dict[str, dict[str, str]]  # name -> unit, definition (measured and predicted definitions)
-    predictor: dict[str, Any]  # the predictor's measured error over every measured-and-predicted cell
+    predictor: dict[str, Any]  # the one-rank fake run's measured error (peak reserved) over the cells measured too
     sources: list[str] = field(default_factory=list)  # parquet files read, relative to the results dir
 
 
