@@ -171,9 +171,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                              "cache to retry (measured: num_alloc_retries); each costs a device synchronisation"),
     ("model_states_gib", "float", "hybrid: weights, gradients and optimizer state per GPU by DeepSpeed's estimator, GiB"),
     ("buckets_gib", "float", "hybrid: DeepSpeed's gradient reduction bucket per GPU (reduce_bucket_size), GiB"),
-    ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: DeepSpeed's "
-                               "estimate of the offloaded states (x1.5, its default allowance) + 1.53 GiB per worker "
-                               "process (measured), GiB"),
+    ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO, DeepSpeed's "
+                               "estimate of the offloaded states (x1.5, its default allowance); activation offload, the "
+                               "fake run's peak of pinned host memory; + 1.53 GiB per worker process (measured), GiB"),
     ("host_fits", "bool", "PREDICTED host_peak_gib <= the host's RAM (--host-memory-gib); False: expect host_oom"),
     ("headroom_gib", "float", "gpu_memory_gib - device_peak_gib (where known, else - peak_allocated_gib: then "
                               "reserved memory and the context are not counted), GiB; negative: does not fit"),

@@ -169,6 +169,22 @@ def test_the_8b_zero2_adam_offload_field_case_is_predicted_host_oom_on_a_128_gib
     assert row["fits"]  # the GPU keeps only the 16-bit weights
 
 
+def test_activation_offload_is_predicted_with_its_copies_in_pinned_host_memory() -> None:
+    """What forward saves goes to pinned host memory (counted as the host's, not the GPU's) and comes back
+    as a fresh device copy in backward: nothing saved is alive on the device when backward starts."""
+    def predicted(stack: str) -> dict:
+        found = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus.get("h100"))
+        assert found["status"] == "ok", found.get("error")
+        return found
+
+    base, offloaded = predicted("baseline"), predicted("activation_offload(min_bytes=0)")
+    assert base["at_peak_activations_gib"] > 100 * offloaded["at_peak_activations_gib"]
+    assert offloaded["peak_allocated_gib"] <= base["peak_allocated_gib"]
+    host = offloaded["host_peak_gib"] - 1.53  # the worker process's own RSS aside
+    assert host > base["at_peak_activations_gib"]  # every saved tensor, the weights' copies included
+    assert "host_peak_gib" not in base
+
+
 def test_a_zero_cell_with_lora_is_not_predicted_as_if_every_parameter_trained() -> None:
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("lora + zero2"))
     found = fake.predict_cell(cell, gpus.get("h100"))

@@ -105,6 +105,8 @@ class MemoryCounter(TorchDispatchMode):
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
+        self.host_live_bytes = self.host_peak_bytes = 0  # pinned host memory (pin_memory=True), apart from the device's
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pinned storages -> bytes
 
     # --- allocations ---
 
@@ -114,12 +116,18 @@ class MemoryCounter(TorchDispatchMode):
         if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
             self._workspace_for(self.workspaces.thread_of(self.where))
         out = func(*args, **(kwargs or {}))
+        if (kwargs or {}).get("pin_memory"):  # pinned host memory (activation offload): not the GPU's
+            for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
+                self._track_host(tensor)
+            return out
         if self._is_gradient_sum(op, args, kwargs, out):
             self._sum(out, args[0])
             return out
         # A wrapper subclass (FSDP2's DTensor) owns no memory: the tensors inside it do. Its op's own
         # allocations ran on those while this mode was off, so they are counted here, at their size.
         for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
+            if tensor.untyped_storage() in self._host:
+                continue  # written in place into pinned host memory (a copy_ into it)
             self.track(tensor, op)
             if func.is_view:
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
@@ -134,6 +142,18 @@ class MemoryCounter(TorchDispatchMode):
             self._count(index)
         if role is not None:
             self.records[index].role = role
+
+    def _track_host(self, tensor: torch.Tensor) -> None:
+        """Pinned host memory, counted apart: host_live_bytes and its peak, never the device's."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        self._host[storage] = nbytes
+        self.host_live_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        weakref.finalize(storage, self._free_host, nbytes)
+
+    def _free_host(self, nbytes: int) -> None:
+        self.host_live_bytes -= nbytes
 
     def _new_record(self, storage: Any, op: str) -> int:
         rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES

@@ -115,7 +115,15 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "flops_per_token": built.flops_per_token,
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
+        **_host(counter),
     }
+
+
+def _host(counter: MemoryCounter) -> dict[str, Any]:
+    """Where the step pins host memory (activation offload): its peak, plus one worker process."""
+    if not counter.host_peak_bytes:
+        return {}
+    return {"host_peak_gib": counter.host_peak_bytes / measure.GIB + hybrid.WORKER_PROCESS_GIB}
 
 
 def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
