@@ -120,7 +120,7 @@ matrices:
     models: [tiny-llama]
     seq_lens: [64]
     batch_sizes: [1]
-    stacks: [baseline, activation_offload]
+    stacks: [baseline, compile]
     steps: {warmup: 1, measure: 2}
 """
 
@@ -142,6 +142,6 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     assert 1 < largest < 16
     assert predicted.loc[("baseline", 64, largest), "device_peak_gib"] <= 0.82
     assert predicted.loc[("baseline", 64, largest + 1), "device_peak_gib"] > 0.82  # both sides were predicted
-    assert summary.loc[("activation_offload", "batch"), "stopped"].startswith("unsupported at")
+    assert summary.loc[("compile", "batch"), "stopped"].startswith("unsupported at")
     board = (fit_dir / "FIT-predicted.md").read_text()
-    assert board.startswith("# PREDICTED: fits on my GPU") and "activation_offload: host copies" in board
+    assert board.startswith("# PREDICTED: fits on my GPU") and "compile: inductor" in board
