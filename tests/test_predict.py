@@ -191,6 +191,19 @@ def test_a_zero_cell_with_lora_is_not_predicted_as_if_every_parameter_trained() 
     assert found["status"] == "unsupported" and "every parameter trains" in found["unsupported_reason"]
 
 
+def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors_as_on_real_ones() -> None:
+    """Its quantization maps are made for real (Python numbers), the step runs on fake tensors: phase for
+    phase the real run's bytes, but for the maps' two 1 KiB copies the fake run leaves out."""
+    pytest.importorskip("bitsandbytes")
+    cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("adamw8bit"))
+    fake_counter, _, fake_state = fake.counted_run(cell, Workspaces())
+    real_counter, _, real_state = fake.counted_run(cell, Workspaces(), fake=False)
+    assert fake_state == real_state > 0
+    for phase, nbytes in fake_counter.phase_peaks.items():
+        if phase != "build":
+            assert 0 <= real_counter.phase_peaks[phase] - nbytes <= 2 * 1024, phase
+
+
 def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline"))
     found = fake.fake_run(cell, gpus.get("h100"))
@@ -206,7 +219,7 @@ def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora", "expandable_segments"])
+@pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora", "expandable_segments", "adamw8bit"])
 def test_the_prediction_matches_the_published_h100_peak(stack: str) -> None:
     """Llama-3.2-3B at seq 2048 batch 2, predicted on this CPU, against the H100's measured peaks
     (results/llama3b): allocated within 1%; reserved (the allocator's model) and the whole device (NVML)

@@ -180,7 +180,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True) -> tuple[
             return counter, built, _steps(cell, built, batches, counter)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
-    with _packing_known(built.setup.data == "pack"), FakeTensorMode() as mode, counter:
+    with _packing_known(built.setup.data == "pack"), _real_quantization_maps(), FakeTensorMode() as mode, counter:
         built = replace(built, model=_fake_parameters(built.model, counter), device="cpu")
         batches = [_counted_batch(b, mode.from_tensor, counter) for b in real_batches]
         return counter, built, _steps(cell, built, batches, counter)
@@ -288,6 +288,35 @@ def _fake_process_group(cell: Cell) -> Iterator[None]:
         yield
     finally:
         distributed.shutdown()
+
+
+@contextlib.contextmanager
+def _real_quantization_maps() -> Iterator[None]:
+    """bitsandbytes' 8-bit optimizers build their quantization maps (256 values) from Python numbers,
+    which fake tensors cannot hold: the maps are made for real, outside fake mode, then handed over as
+    fake tensors. The 8-bit step itself runs on fake tensors like any op (its ops have fake kernels).
+    The maps' two 1 KiB copies on the device are not counted: 2 KiB, within the counter's rounding."""
+    try:
+        from bitsandbytes import functional
+    except ImportError:
+        yield
+        return
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = functional.create_dynamic_map
+
+    def real_map(*args: Any, **kwargs: Any) -> Any:
+        mode = detect_fake_mode()
+        with unset_fake_temporarily():
+            made = original(*args, **kwargs)
+        return mode.from_tensor(made) if mode is not None else made
+
+    functional.create_dynamic_map = real_map
+    try:
+        yield
+    finally:
+        functional.create_dynamic_map = original
 
 
 @contextlib.contextmanager

@@ -26,6 +26,5 @@ TECHNIQUE = Technique(
     phase=Phase.OPTIMIZER,
     slot="optimizer",
     packages=("bitsandbytes",),
-    not_predicted="bitsandbytes' 8-bit step reads tensor values (data-dependent on fake tensors)",
     make_optimizer=make,
 )
