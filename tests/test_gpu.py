@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,40 @@ def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reser
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     events = [tuple(e) for e in measured["events"]]
     assert allocator.replay(events).peak_reserved_bytes == measured["peak_reserved"]
+
+
+def _liger_loss_peak(device: str) -> int:
+    """Bytes the fused linear cross-entropy adds at its peak over forward and backward, on `device`
+    ("cuda": the real kernels, measured by the allocator; "fake": bench/predict/liger.py under the counter)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    def step(make: Any) -> None:
+        hidden = make((4096, 1024), torch.bfloat16).requires_grad_()
+        weight = torch.nn.Parameter(make((32000, 1024), torch.bfloat16))
+        target = make((4096,), torch.int64)
+        LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0].backward()
+
+    if device == "cuda":
+        torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's workspace made first
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cuda"))
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import liger
+    from bench.predict.counter import MemoryCounter
+
+    with liger.predicting("llama"), FakeTensorMode(), MemoryCounter() as counter:
+        counter.enter("s/backward")
+        step(lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    return counter.peak.nbytes
+
+
+def test_the_fake_run_allocates_what_ligers_fused_loss_allocates_on_cuda() -> None:
+    """bench/predict/liger.py mirrors Liger's CUDA path of the fused linear cross-entropy: the same
+    peak, to the allocator's rounding (a few 512 B blocks)."""
+    pytest.importorskip("liger_kernel")
+    assert _liger_loss_peak("fake") == pytest.approx(_liger_loss_peak("cuda"), abs=64 * 1024)

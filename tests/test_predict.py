@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -219,7 +220,8 @@ def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora", "expandable_segments", "adamw8bit"])
+@pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora", "expandable_segments", "adamw8bit", "liger",
+                                   "gc + liger"])
 def test_the_prediction_matches_the_published_h100_peak(stack: str) -> None:
     """Llama-3.2-3B at seq 2048 batch 2, predicted on this CPU, against the H100's measured peaks
     (results/llama3b): allocated within 1%; reserved (the allocator's model) and the whole device (NVML)
@@ -379,3 +381,67 @@ def test_the_catalogues_new_techniques_are_predicted_where_they_save() -> None:
     assert peak("gc + chunked_ce + optimizer_in_backward") < peak("gc + chunked_ce") - 3
     assert peak("gc") < peak("selective_gc(every=1, ops=matmuls)") < peak("selective_gc") < peak("baseline")
     assert peak("lora(adapter_dtype=bf16)") < peak("lora") - 5 < peak("dora") - 5  # fp32 adapters store fp32 inputs
+
+
+def test_a_detached_saved_gradient_is_summed_in_place_as_a_plain_run_sums_it() -> None:
+    """Liger's fused loss computes lm_head's gradient in forward and saves it detached. With tied
+    embeddings, the embedding's gradient is then added into it: in place in a plain run (torch's
+    profiler says add_), so the counter counts no new tensor for the sum."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    class GradientInForward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, w: Any) -> Any:
+            ctx.save_for_backward(torch.ones_like(x).detach(), torch.ones_like(w).detach())
+            return (x @ w.t()).sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return ctx.saved_tensors
+
+    weight = torch.nn.Parameter(torch.randn(256, 64, dtype=torch.bfloat16))
+
+    def step() -> None:
+        hidden = torch.nn.functional.embedding(torch.arange(8)[None], weight)[0] * 2
+        GradientInForward.apply(hidden, weight).backward()
+        weight.grad = None
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    plain = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_") and e.input_shapes[:1] == [[256, 64]]]
+    with MemoryCounter() as counter:
+        counter.enter("s/forward")
+        hidden = torch.nn.functional.embedding(torch.arange(8)[None], weight)[0] * 2
+        loss = GradientInForward.apply(hidden, weight)
+        counter.enter("s/backward")
+        loss.backward()
+    assert plain == ["aten::add_"]
+    assert [in_place for nbytes, in_place in counter.sums if nbytes == 256 * 64 * 2] == [True]
+
+
+def test_a_liger_prediction_fakes_its_kernels_and_undoes_its_patch() -> None:
+    """Liger's kernels launch nothing on fake tensors; its patch (process-global) is undone after the
+    cell, so the next cell in the process predicts as if Liger had never been imported."""
+    from transformers.models.llama import modeling_llama
+
+    before = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaForCausalLM.forward)
+    h100 = gpus.get("h100")
+    baseline = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline")), h100)
+    liger = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("liger")), h100)
+    assert liger["status"] == "ok", liger.get("error")
+    assert liger["peak_allocated_gib"] < baseline["peak_allocated_gib"]  # no (tokens x vocab) logits
+    assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaForCausalLM.forward) == before
+    again = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline")), h100)
+    assert again["peak_allocated_gib"] == baseline["peak_allocated_gib"]
+
+
+def test_another_liger_version_is_not_predicted_but_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.predict import liger
+
+    monkeypatch.setattr(liger.metadata, "version", lambda name: "0.9.0")
+    found = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("gc + liger")), gpus.get("h100"))
+    assert found["status"] == "unsupported"
+    assert found["unsupported_reason"] == f"liger: liger-kernel 0.9.0: the fake run mirrors the fused linear " \
+                                          f"cross-entropy of {liger.MIRRORED_VERSION} only"

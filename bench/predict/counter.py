@@ -129,7 +129,7 @@ class MemoryCounter(TorchDispatchMode):
             if tensor.untyped_storage() in self._host:
                 continue  # written in place into pinned host memory (a copy_ into it)
             self.track(tensor, op)
-            if func.is_view:
+            if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
         return out
 
@@ -194,7 +194,8 @@ class MemoryCounter(TorchDispatchMode):
     # bytes move over, no allocation); if it is still alive, the sum was a real allocation and is
     # counted then. An operand over a storage some view op returned is summed out of place by a plain
     # run too (seen with torch's profiler: a tied bf16 embedding's gradient arrives from lm_head as a
-    # transposed view and is added out of place; an fp32 one, cast back by autocast, in place).
+    # transposed view and is added out of place; an fp32 one, cast back by autocast, in place), but
+    # not one `detach` returned (Liger saves its lm_head gradient detached: added in place).
 
     def _is_gradient_sum(self, op: str, args: Any, kwargs: Any, out: Any) -> bool:
         """The engine's gradient sum: an add in backward, grad mode off, two tensors of the result's

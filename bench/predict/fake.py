@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from .. import data, distributed, measure, trainer
+from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, hybrid
+from . import allocator, hybrid, liger
 from .counter import MemoryCounter, Workspaces
 from .gpus import GpuKind
 
@@ -70,6 +70,8 @@ def unsupported_reason(cell: Cell) -> str | None:
     for use in cell.stack.uses:
         if use.technique.not_predicted and not (zero and use.name in hybrid.ENGINE_TECHNIQUES):
             return f"{use.name}: {use.technique.not_predicted}"
+    if "liger" in cell.stack.names and liger.unsupported_reason():
+        return f"liger: {liger.unsupported_reason()}"
     if zero:
         return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
@@ -88,7 +90,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         return {"status": "unsupported", "unsupported_reason": reason}
     start = time.perf_counter()
     try:
-        with _cell_env(cell), _fake_process_group(cell):
+        with _cell_env(cell), _fake_process_group(cell), _liger(cell):
             found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
@@ -317,6 +319,14 @@ def _real_quantization_maps() -> Iterator[None]:
         yield
     finally:
         functional.create_dynamic_map = original
+
+
+def _liger(cell: Cell) -> contextlib.AbstractContextManager[None]:
+    """Liger's Triton kernels launch nothing on fake tensors, and its patch goes with the cell
+    (bench/predict/liger.py)."""
+    if "liger" not in cell.stack.names:
+        return contextlib.nullcontext()
+    return liger.predicting(models.get(cell.model).family)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ a step. The RMSNorm, SwiGLU and RoPE kernels save smaller intermediates and some
 Costs: nothing in exactness (the losses must match the baseline's within bf16 noise); the logits are
 not returned. The patch is process-global and has no undo, which is why each cell has its own
 process. Needs CUDA (Triton) and a supported family.
+Predicted: its Python wrappers run on fake tensors, its kernels launch nothing (bench/predict/liger.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ TECHNIQUE = Technique(
     phase=Phase.PATCH,
     options={k: True for k in KERNELS},
     requires_cuda=True,
-    not_predicted="Triton kernels: no fake-tensor implementation runs on a CPU build",
     packages=("liger_kernel",),
     families=FAMILIES,
     before_build=_before_build,
