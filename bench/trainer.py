@@ -125,7 +125,7 @@ def build_model(cell: Cell, device: str | None = None) -> Built:
     loaders = [(t, opts) for t, opts in uses if t.load is not None]  # at most one: slot "base"
     if loaders:
         loader, opts = loaders[0]
-        model = loader.load(cell, setup.attn_implementation, opts)  # type: ignore[misc]
+        model = loader.load(cell, device, setup.attn_implementation, opts)  # type: ignore[misc]
         flops = None
     else:
         model = base_model(cell.model, device, cell.seed, setup)

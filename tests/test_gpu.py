@@ -135,3 +135,45 @@ def test_the_fake_run_allocates_what_ligers_fused_loss_allocates_on_cuda() -> No
     peak, to the allocator's rounding (a few 512 B blocks)."""
     pytest.importorskip("liger_kernel")
     assert _liger_loss_peak("fake") == pytest.approx(_liger_loss_peak("cuda"), abs=64 * 1024)
+
+
+def _4bit_matmul_peak(device: str) -> int:
+    """Bytes bitsandbytes' 4-bit matmul adds at its peak (4096 tokens, a 3072 x 3072 NF4 weight with
+    nested statistics), on `device`: "cuda" (its kernel, the allocator's peak) or "fake" (the counter,
+    with bench/predict/bnb.py's scratch)."""
+    import bitsandbytes
+    from bitsandbytes import functional
+
+    def quantized() -> tuple[Any, Any, Any]:
+        make = {"cuda": lambda *shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                "fake": lambda *shape: torch.empty(shape, dtype=torch.bfloat16)}[device]
+        packed, state = functional.quantize_4bit(make(3072, 3072), compress_statistics=True, quant_type="nf4")
+        return packed, state, make(4096, 3072)
+
+    if device == "cuda":
+        packed, state, hidden = quantized()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import bnb
+    from bench.predict.counter import MemoryCounter
+
+    with bnb.real_quantization_maps(), FakeTensorMode(), MemoryCounter(kernel_scratch=bnb.gemm_4bit_scratch) as counter:
+        packed, state, hidden = quantized()
+        before = counter.live_bytes
+        counter.enter("s/forward")
+        bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
+    return counter.phase_peaks["s/forward"] - before
+
+
+def test_the_fake_run_allocates_what_the_4bit_matmul_allocates_on_cuda() -> None:
+    """bench/predict/bnb.py's scratch of bitsandbytes' gemm_4bit (dequantized weight and statistics,
+    then F.linear) is what its CUDA kernel allocates, to the allocator's rounding."""
+    pytest.importorskip("bitsandbytes")
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's workspace made first
+    assert _4bit_matmul_peak("fake") == pytest.approx(_4bit_matmul_peak("cuda"), abs=64 * 1024)

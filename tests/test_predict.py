@@ -38,7 +38,7 @@ def test_counter_counts_storages_once_rounded_to_blocks_and_frees_them() -> None
 
 
 @pytest.mark.parametrize("stack", ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum", "padding",
-                                   "packing", "eager_attention", "adamw(impl=foreach)"])
+                                   "packing", "eager_attention", "adamw(impl=foreach)", "qlora", "gc + qlora"])
 def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
     """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
     (the real run's model is built on the CPU under the counter), the same roles at the peak."""
@@ -445,3 +445,27 @@ def test_another_liger_version_is_not_predicted_but_said(monkeypatch: pytest.Mon
     assert found["status"] == "unsupported"
     assert found["unsupported_reason"] == f"liger: liger-kernel 0.9.0: the fake run mirrors the fused linear " \
                                           f"cross-entropy of {liger.MIRRORED_VERSION} only"
+
+
+@pytest.mark.parametrize("rows", [512, 1024])
+def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> None:
+    """bitsandbytes' 4-bit matmul: CUDA's kernel dequantizes the whole weight (and its nested fp32
+    statistics, twice) for more than 512 rows, runs F.linear, frees the scratch; the fake kernel only
+    returns the output. The counter adds the scratch where CUDA makes it."""
+    import bitsandbytes
+    import torch
+    from bitsandbytes import functional
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import bnb
+
+    with bnb.real_quantization_maps(), FakeTensorMode(), MemoryCounter(kernel_scratch=bnb.gemm_4bit_scratch) as counter:
+        packed, state = functional.quantize_4bit(torch.empty(1024, 512, dtype=torch.bfloat16), compress_statistics=True,
+                                                 quant_type="nf4")
+        hidden = torch.empty(rows, 512, dtype=torch.bfloat16)
+        before = counter.live_bytes
+        counter.enter("s/forward")
+        out = bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
+        assert out.shape == (rows, 1024) and counter.live_bytes == before + rows * 1024 * 2
+    scratch = 2 * (1024 * 512 // 64) * 4 + 1024 * 512 * 2 if rows > 512 else 0  # absmax fp32 twice, the weight
+    assert counter.phase_peaks["s/forward"] == before + scratch + rows * 1024 * 2

@@ -14,6 +14,7 @@ indices), in which stage/phase and by which op, and its role, known once the ste
   backward, or kept as a checkpointed layer's input);
 - input: the batches;
 - workspace: cuBLAS workspaces (see `Workspaces`), which no fake kernel allocates;
+- temporary, also: a GPU kernel's own scratch that its fake kernel does not allocate (`KernelScratch`);
 - temporary: anything else (backward's intermediates, a step's scratch).
 
 The peak is the largest live total after an allocation; the breakdown at the peak sums the roles of
@@ -38,7 +39,7 @@ BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
 # Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
-                        "_addmm_activation"})
+                        "_addmm_activation", "gemm_4bit"})  # bitsandbytes' 4-bit matmul: F.linear on training shapes
 
 
 @dataclass
@@ -85,9 +86,15 @@ class Workspaces:
         return "backward" if where.endswith("/backward") else "forward"
 
 
+# (op, args, kwargs) -> bytes the op's GPU kernel allocates and frees inside it, which no fake kernel
+# allocates (bench/predict/bnb.py: bitsandbytes' 4-bit matmul); empty for a real CPU run.
+KernelScratch = Callable[[str, Any, Any], list[int]]
+
+
 class MemoryCounter(TorchDispatchMode):
-    def __init__(self, workspaces: Workspaces = Workspaces()):
+    def __init__(self, workspaces: Workspaces = Workspaces(), kernel_scratch: KernelScratch = lambda op, args, kwargs: []):
         super().__init__()
+        self.kernel_scratch = kernel_scratch
         self.records: list[Record] = []
         self._record_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> index in records
         self._threads_with_workspace: set[str] = set()
@@ -115,8 +122,16 @@ class MemoryCounter(TorchDispatchMode):
         op = func.overloadpacket.__name__
         if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
             self._workspace_for(self.workspaces.thread_of(self.where))
-        out = func(*args, **(kwargs or {}))
-        if (kwargs or {}).get("pin_memory"):  # pinned host memory (activation offload): not the GPU's
+        scratch = [self._scratch(nbytes, op) for nbytes in self.kernel_scratch(op, args, kwargs or {})]
+        try:
+            return self._dispatch(func, op, args, kwargs or {})
+        finally:
+            for index in scratch:  # freed as the kernel returns, after its output was allocated
+                self._free(index)
+
+    def _dispatch(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
+        out = func(*args, **kwargs)
+        if kwargs.get("pin_memory"):  # pinned host memory (activation offload): not the GPU's
             for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
                 self._track_host(tensor)
             return out
@@ -132,6 +147,12 @@ class MemoryCounter(TorchDispatchMode):
             if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
         return out
+
+    def _scratch(self, nbytes: int, op: str) -> int:
+        """An allocation a GPU kernel makes and frees inside its op, which its fake kernel does not."""
+        self.records.append(Record(-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES, -1, self.where, f"{op} (scratch)"))
+        self._count(len(self.records) - 1)
+        return len(self.records) - 1
 
     def track(self, tensor: torch.Tensor, op: str, role: str | None = None) -> None:
         """Counts the tensor's storage once (a view or an in-place result is not a new allocation)."""

@@ -43,8 +43,8 @@ from typing import Any
 
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, hybrid, liger
-from .counter import MemoryCounter, Workspaces
+from . import allocator, bnb, hybrid, liger
+from .counter import KernelScratch, MemoryCounter, Workspaces
 from .gpus import GpuKind
 
 STAGES = ("first_step", "measure")  # the steps run: the first, and one standing for all the others
@@ -100,7 +100,8 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     """The prediction's figures: the cell's steps on fake tensors, counted for this GPU kind."""
-    counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes))
+    counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes),
+                                                      kernel_scratch=bnb.gemm_4bit_scratch)
     at_peak = counter.breakdown(counter.peak)
     return {
         **reserved_columns(cell, counter, gpu),
@@ -166,24 +167,31 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
     return out
 
 
-def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True) -> tuple[MemoryCounter, trainer.Built, float]:
+def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
+                kernel_scratch: KernelScratch = lambda op, args, kwargs: []) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's steps under a MemoryCounter: (counter, the build, optimizer state GiB).
     fake=False runs the same steps on real CPU tensors (the model built on the CPU under the
-    counter): what the tests compare the fake run with."""
+    counter): what the tests compare the fake run with. A GPU's workspaces and kernels' scratch are
+    counted as given (a prediction gives its GPU kind's; the tests none, to compare like with like)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    counter = MemoryCounter(workspaces)
+    counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
-        with counter:
+        with bnb.fresh_map_cache(), counter:
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 counter.track(tensor, "parameter", role="weight")
+                for state in bnb.quantized_state_tensors(tensor):  # a 4-bit weight's statistics
+                    counter.track(state, "quant_state", role="weight")
             batches = [_counted_batch(b, lambda t: t, counter) for b in _cell_batches(cell, built)]
             return counter, built, _steps(cell, built, batches, counter)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
-    with _packing_known(built.setup.data == "pack"), _real_quantization_maps(), FakeTensorMode() as mode, counter:
-        built = replace(built, model=_fake_parameters(built.model, counter), device="cpu")
+    with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), FakeTensorMode() as mode, counter:
+        model = _fake_parameters(built.model, counter)
+        # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
+        built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
+                        total_params=sum(p.numel() for p in model.parameters()))
         batches = [_counted_batch(b, mode.from_tensor, counter) for b in real_batches]
         return counter, built, _steps(cell, built, batches, counter)
 
@@ -222,8 +230,6 @@ def _stepped(cell: Cell, built: trainer.Built, batches: list[data.Batch]) -> lis
 def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
     """Every parameter and buffer of the meta model replaced by a fake CPU tensor like it; one
     fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor."""
-    import torch
-
     made: dict[int, Any] = {}
     originals = []  # kept alive while replacing, so no id is reused
     for module in model.modules():
@@ -233,13 +239,26 @@ def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
                     continue
                 if id(tensor) not in made:
                     originals.append(tensor)
-                    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-                    if is_param:
-                        fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
-                    counter.track(fake, "parameter" if is_param else "buffer", role="weight")
-                    made[id(tensor)] = fake
+                    made[id(tensor)] = _fake_like(tensor, module, is_param, counter)
                 slots[name] = made[id(tensor)]
     return model
+
+
+def _fake_like(tensor: Any, module: Any, is_param: bool, counter: MemoryCounter) -> Any:
+    """A fake CPU tensor like the meta one, counted as a weight. A 4-bit weight is quantized as a
+    load quantizes it, from the bf16 weight _quantized loads (bench/predict/bnb.py)."""
+    import torch
+
+    if bnb.is_4bit(tensor):
+        fake = bnb.quantized_weight(tensor, module, torch.bfloat16)
+        for state in bnb.quantized_state_tensors(fake):
+            counter.track(state, "quant_state", role="weight")
+    else:
+        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+        if is_param:
+            fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    counter.track(fake, "parameter" if is_param else "buffer", role="weight")
+    return fake
 
 
 def _counted_batch(batch: data.Batch, convert: Callable[[Any], Any], counter: MemoryCounter) -> data.Batch:
@@ -290,35 +309,6 @@ def _fake_process_group(cell: Cell) -> Iterator[None]:
         yield
     finally:
         distributed.shutdown()
-
-
-@contextlib.contextmanager
-def _real_quantization_maps() -> Iterator[None]:
-    """bitsandbytes' 8-bit optimizers build their quantization maps (256 values) from Python numbers,
-    which fake tensors cannot hold: the maps are made for real, outside fake mode, then handed over as
-    fake tensors. The 8-bit step itself runs on fake tensors like any op (its ops have fake kernels).
-    The maps' two 1 KiB copies on the device are not counted: 2 KiB, within the counter's rounding."""
-    try:
-        from bitsandbytes import functional
-    except ImportError:
-        yield
-        return
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    original = functional.create_dynamic_map
-
-    def real_map(*args: Any, **kwargs: Any) -> Any:
-        mode = detect_fake_mode()
-        with unset_fake_temporarily():
-            made = original(*args, **kwargs)
-        return mode.from_tensor(made) if mode is not None else made
-
-    functional.create_dynamic_map = real_map
-    try:
-        yield
-    finally:
-        functional.create_dynamic_map = original
 
 
 def _liger(cell: Cell) -> contextlib.AbstractContextManager[None]:

@@ -16,17 +16,19 @@ LORA_OPTIONS = dict(lora.TECHNIQUE.options)
 
 
 def technique(name: str, summary: str, quantization: Callable[[Options], Any], layer_class: str,
-              extra_options: dict[str, Any]) -> Technique:
-    def load(cell: Cell, attn_implementation: str, opts: Options) -> Any:
+              extra_options: dict[str, Any], not_predicted: str | None = None) -> Technique:
+    def load(cell: Cell, device: str, attn_implementation: str, opts: Options) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
         from ..checkpoints import random_checkpoint
 
-        device = 0 if cell.device == "cuda" else "cpu"
+        if device == "meta":
+            return _skeleton(cell, attn_implementation, quantization(opts))
         model = AutoModelForCausalLM.from_pretrained(
             random_checkpoint(cell.model, cell.seed), quantization_config=quantization(opts),
-            dtype=torch.bfloat16, device_map={"": device}, attn_implementation=attn_implementation)
+            dtype=torch.bfloat16, device_map={"": 0 if device == "cuda" else device},
+            attn_implementation=attn_implementation)
         model.config.use_cache = False
         return model.train()
 
@@ -53,10 +55,29 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         choices=dict(lora.TECHNIQUE.choices),
         ranges=dict(lora.TECHNIQUE.ranges),
         packages=("bitsandbytes", "peft"),
-        not_predicted="a bitsandbytes-quantized base is loaded from a real checkpoint: not simulated yet",
+        not_predicted=not_predicted,
         # qlora brings its own adapters; its base dtype is fixed; ZeRO-3 would partition packed
         # 4-bit storage, which needs bnb_4bit_quant_storage plumbing this suite does not do.
         conflicts=("lora", "mixed", "zero3"),
         load=load,
         apply=apply,
     )
+
+
+def _skeleton(cell: Cell, attn_implementation: str, config: Any) -> Any:
+    """The model a quantized load makes, on the meta device (the predictor quantizes its weights on
+    fake tensors): built from the config in bf16, its layers replaced by transformers' own quantizer,
+    which keeps the same ones unquantized as a load does (lm_head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import AutoHfQuantizer
+
+    from .. import models
+
+    hf_config = models.hf_config(models.get(cell.model), attn_implementation)
+    hf_config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map={"": "meta"})
+    return (quantizer.postprocess_model(model) or model).train()

@@ -71,8 +71,9 @@ class Technique:
     env: Callable[[Options], dict[str, str]] | None = None  # env vars, set before torch is imported
     configure: Callable[[TrainSetup, Options], TrainSetup] | None = None  # how to build and train
     before_build: Callable[[Cell, Options], None] | None = None  # process-global patches (model classes)
-    # Replaces the build: (cell, attention implementation, opts) -> model in train mode (quantized bases)
-    load: Callable[[Cell, str, Options], Any] | None = None
+    # Replaces the build: (cell, device, attention implementation, opts) -> model in train mode
+    # (quantized bases); on "meta" (the predictor) the skeleton it would load, weights not quantized yet
+    load: Callable[[Cell, str, str, Options], Any] | None = None
     apply: Callable[[Any, Options], tuple[Any, Evidence]] | None = None  # (model, opts) -> (model, evidence)
     make_optimizer: Callable[[list[Any], TrainSetup, Options], Any] | None = None  # (trainable params, setup, opts)
     ds_config: Callable[[Options], dict[str, Any]] | None = None  # DeepSpeed config fragment, deep-merged

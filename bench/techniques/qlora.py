@@ -6,6 +6,8 @@ Costs: dequantizing each weight block on every forward and backward matmul (slow
 LoRA costs. The recipe is spelled out (nf4, double quant, bf16 compute): bitsandbytes' defaults are not
 QLoRA's. The base is loaded from a cached random checkpoint (quantization happens while loading).
 MFU is left empty: the base compute is not a plain bf16 matmul.
+Predicted: the base is quantized on fake tensors by bitsandbytes itself, and the scratch of CUDA's
+4-bit matmul (a dequantized weight per layer, transient) is added (bench/predict/bnb.py).
 """
 
 from __future__ import annotations

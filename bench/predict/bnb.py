@@ -1,0 +1,135 @@
+"""bitsandbytes on fake tensors: the 8-bit optimizers' maps, the 4-bit (NF4) base, and the scratch of
+its CUDA matmul.
+
+- The 8-bit optimizers and the nested 4-bit statistics build their quantization maps (256 values)
+  from Python numbers, which fake tensors cannot hold: the maps are made for real, then handed over
+  as fake tensors (`real_quantization_maps`). The 8-bit step runs on fake tensors like any op: its ops have fake kernels.
+- A QLoRA base is built on the meta device by transformers' own quantizer (the same layers replaced,
+  the same ones kept: lm_head, tied or not), and each 4-bit weight is quantized as transformers
+  quantizes it while loading, by bitsandbytes' `quantize_4bit`, which has a fake kernel: the packed
+  weight (0.5 B/param) and its quantization state (8-bit absmax per 64 values, the nested fp32
+  absmax per 256 of those, the codes, the offset) are fake tensors of the GPU's sizes
+  (`quantized_weight`). The weight stays a plain Parameter holding `quant_state`: torch cannot make
+  bitsandbytes' Params4bit subclass over a fake tensor, and nothing in a step asks for the subclass.
+- `bitsandbytes::gemm_4bit`'s fake kernel returns its output only. Its CUDA kernel (bitsandbytes
+  0.50, compute capability 9.0) dequantizes the whole weight into a new tensor and runs F.linear
+  whenever the matmul has more than 512 rows (tokens): for a training step's shapes, always. That
+  scratch (the dequantized weight, and with nested statistics the fp32 absmax twice) is freed when
+  the op returns; `gemm_4bit_scratch` says its sizes, and the counter allocates and frees it around
+  the op. Up to 512 rows the choice depends on the layer's shape and the GPU; the custom kernel, with
+  no scratch, is assumed there.
+- LLM.int8 bases (int8_lora) are not predicted: which columns are decomposed as outliers depends on
+  the values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+DEQUANT_FALLBACK_ROWS = 512  # above this many rows, CUDA's gemm_4bit dequantizes the weight (sm90)
+
+
+@contextlib.contextmanager
+def real_quantization_maps() -> Iterator[None]:
+    """The maps made for real outside fake mode, handed over as fake tensors (copied by an op, so the
+    counter counts their 1 KiB on the device, as a real run does)."""
+    try:
+        from bitsandbytes import functional
+    except ImportError:
+        yield
+        return
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = functional.create_dynamic_map
+
+    def real_map(*args: Any, **kwargs: Any) -> Any:
+        mode = detect_fake_mode()
+        with unset_fake_temporarily():
+            made = original(*args, **kwargs)
+        return mode.from_tensor(made).clone() if mode is not None else made
+
+    functional.create_dynamic_map = real_map
+    try:
+        with fresh_map_cache():
+            yield
+    finally:
+        functional.create_dynamic_map = original
+
+
+@contextlib.contextmanager
+def fresh_map_cache() -> Iterator[None]:
+    """bitsandbytes caches a map on its first use in a process: each counted run starts without one,
+    as a cell's own process does (a real map is not used on fake tensors, nor a fake one after)."""
+    try:
+        from bitsandbytes import functional
+    except ImportError:
+        yield
+        return
+    cached = dict(functional.name2qmap)
+    functional.name2qmap.clear()
+    try:
+        yield
+    finally:
+        functional.name2qmap.clear()
+        functional.name2qmap.update(cached)
+
+
+def is_4bit(tensor: Any) -> bool:
+    """A meta 4-bit weight, not quantized yet (bitsandbytes' Params4bit)."""
+    params4bit = _params4bit()
+    return params4bit is not None and isinstance(tensor, params4bit) and not tensor.bnb_quantized
+
+
+def quantized_weight(meta_weight: Any, module: Any, dtype: Any) -> Any:
+    """The 4-bit weight as a GPU load makes it: a `dtype` weight of the meta one's shape, quantized
+    by bitsandbytes with the layer's settings (blocksize, nested statistics, nf4, storage dtype).
+    Call in fake mode: the bf16 weight is a transient of the build, as it is while loading."""
+    import torch
+    from bitsandbytes import functional
+
+    loaded = torch.empty(meta_weight.shape, dtype=dtype)
+    packed, state = functional.quantize_4bit(loaded, blocksize=meta_weight.blocksize,
+                                             compress_statistics=meta_weight.compress_statistics,
+                                             quant_type=meta_weight.quant_type, quant_storage=meta_weight.quant_storage)
+    weight: Any = torch.nn.Parameter(packed, requires_grad=False)
+    weight.quant_state, weight.bnb_quantized = state, True
+    module.quant_state = state  # as Params4bit._quantize leaves it
+    return weight
+
+
+def quantized_state_tensors(weight: Any) -> list[Any]:
+    """The device tensors of a 4-bit weight's quantization state (counted as weights)."""
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        return []
+    found = [state.absmax, state.code, state.offset]
+    if state.state2 is not None:
+        found += [state.state2.absmax, state.state2.code]
+    return [t for t in found if t is not None]
+
+
+GEMM_4BIT_ARGS = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
+                  "absmax_offset")  # bitsandbytes::gemm_4bit's schema
+
+
+def gemm_4bit_scratch(op: str, args: Any, kwargs: Any) -> list[int]:
+    """Bytes CUDA's gemm_4bit allocates and frees inside the op, in order (see the module's text)."""
+    if op != "gemm_4bit":
+        return []
+    bound = {**dict(zip(GEMM_4BIT_ARGS, args, strict=False)), **kwargs}
+    a, (rows_b, cols_b), absmax_8bit = bound["A"], bound["shapeB"], bound.get("absmax_8bit")
+    if a.numel() // a.shape[-1] <= DEQUANT_FALLBACK_ROWS:
+        return []
+    dequantized_absmax = [absmax_8bit.numel() * 4] * 2 if absmax_8bit is not None else []  # fp32, then + offset
+    return [*dequantized_absmax, rows_b * cols_b * a.element_size()]
+
+
+def _params4bit() -> Any:
+    try:
+        from bitsandbytes.nn import Params4bit
+    except ImportError:
+        return None
+    return Params4bit
