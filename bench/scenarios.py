@@ -27,7 +27,6 @@ from .views import gib
 
 CARD = gpus.GPUS["h100"]  # the card the reports ran on (80 GB); its measured capacity
 GPU_HOST = HostCaps(cuda_devices=8, packages=frozenset(OPTIONAL_PACKAGES))  # plan every cell, skip none
-BYTES_PER_PARAM_ZERO = 16  # DeepSpeed bf16: 2 weights + 2 gradients + 4 fp32 master + 8 Adam, partitioned by ZeRO-3
 
 
 @dataclass(frozen=True)
@@ -184,42 +183,42 @@ def axolotl(sources: Sources) -> list[str]:
              "70 GB per GPU with gradient checkpointing off. Advice: gc and Liger; \"under 10 GB per GPU at 4k, "
              "micro-batch 4, on 8 GPUs\". Is that plausible?", "",
              "Matrix `axolotl3b` (one GPU; Qwen2.5-7B and Mistral-7B at the same tokens).", "", *grid(sources, planned)]
-    gc, base = (_find(planned, "llama-3.2-3b", 4096, 4, s) for s in ("gc", "baseline"))
+    gc, gc_liger, base = (_find(planned, "llama-3.2-3b", 4096, 4, s) for s in ("gc", "gc + liger", "baseline"))
     predicted = sources.prediction(gc)  # its breakdown at the peak: what ZeRO-3 divides and what it does not
     if predicted.row is None:
         return [*lines, "**Answer:** not yet: the gc cell at micro-batch 4 is not predicted.", ""]
     ranks = sources.planned("axolotl3b-ranks")
-    lines += ["Matrix `axolotl3b-ranks`: the report's 8 GPUs, per GPU, FSDP2 (ZeRO-3's partitioning in torch) on "
-              "8 ranks, each rank simulated on torch's fake process group:", "", *grid(sources, ranks)]
+    lines += ["Matrix `axolotl3b-ranks`: the report's 8 GPUs, per GPU: FSDP2 (ZeRO-3's partitioning in torch) on 8 "
+              "ranks, each rank simulated on torch's fake process group, and DeepSpeed ZeRO-3 (†: a hybrid of "
+              "DeepSpeed's state accounting for 8 ranks and the one-GPU fake run):", "", *grid(sources, ranks)]
     row = predicted.row
-    states = sum(row.get(f"at_peak_{k}_gib") or 0.0 for k in ("weights", "gradients", "optimizer_state"))
-    rest = float(row["peak_allocated_gib"]) - states
-    per_gpu = float(row["total_params"]) * BYTES_PER_PARAM_ZERO / 8 / 2**30 + rest
     temporaries = float(row.get("at_peak_temporaries_gib") or 0.0)
-    verdict = "plausible" if per_gpu < 10e9 / 2**30 else "not with gc alone"
-    no_gc = sources.figure(base, number=True)
-    return [*lines, f"**Answer:** {verdict}. ZeRO-3 divides the model states ({BYTES_PER_PARAM_ZERO} B/param over 8 "
-            f"GPUs), not the {predicted.quote(rest)} of activations and temporaries gc leaves at micro-batch 4, so at "
-            f"least {predicted.quote(per_gpu)} per GPU (an estimate: the one-GPU fake run plus DeepSpeed's state "
-            "arithmetic, not a simulation of 8 ranks, issue #15). Of that, "
-            f"{predicted.quote(temporaries)} are temporaries at the peak ({row['peak_phase']}, {row['peak_op']}): "
-            "the loss over the 128k-vocabulary logits, which Liger's fused linear cross-entropy never materialises, "
-            "so \"under 10 GB\" hinges on the `gc + liger` cells (Triton: measured only, in the GPU backlog). One GPU "
-            f"at micro-batch 4 needs {sources.figure(gc, number=True).quote()} with gc"
-            + (f", {no_gc.quote()} without." if no_gc.gib() is not None else ".")
-            + _eight_ranks(sources, ranks), ""]
+    no_gc, one_gpu_liger = sources.figure(base, number=True), sources.figure(gc_liger, number=True)
+    one_gpu = (f"One GPU at micro-batch 4 needs {sources.figure(gc, number=True).quote()} with gc"
+               + (f" ({no_gc.quote()} without)" if no_gc.gib() is not None else "")
+               + (f" and {one_gpu_liger.quote()} with gc + Liger" if one_gpu_liger.gib() is not None else "") + ". ")
+    logits = (f"With gc alone, {predicted.quote(temporaries)} of the peak are temporaries ({row['peak_phase']}, "
+              f"{row['peak_op']}): the loss over the 128k-vocabulary logits, which ranks do not divide and Liger's "
+              "fused linear cross-entropy never materialises.")
+    return [*lines, "**Answer:** " + _eight_gpus(sources, ranks) + one_gpu + logits, ""]
 
 
-def _eight_ranks(sources: Sources, ranks: list[cells.Cell]) -> str:
-    """The simulated 8-rank figures at micro-batch 4, without and with gc (fp32 master weights, as DeepSpeed)."""
+def _eight_gpus(sources: Sources, ranks: list[cells.Cell]) -> str:
+    """The verdict from the 8-rank cells at micro-batch 4: ZeRO-3 with gc, then with gc + Liger."""
     found = {stack: sources.figure(_find(ranks, "llama-3.2-3b", 4096, 4, stack), number=True)
-             for stack in ("fsdp(precision=mixed)", "gc + fsdp(precision=mixed)")}
-    if any(f.gib() is None for f in found.values()):
-        return ""
-    no_gc, with_gc = found.values()
-    return (f" Simulated on 8 ranks (FSDP2, fp32 master weights as DeepSpeed keeps them), micro-batch 4 needs "
-            f"{no_gc.quote()} per GPU without gc and {with_gc.quote()} with it, peak allocated: the states are divided "
-            "by 8, the loss over the logits is not.")
+             for stack in ("gc + zero3", "gc + liger + zero3", "gc + liger + fsdp(precision=mixed)")}
+    zero3, zero3_liger, fsdp_liger = found.values()
+    if zero3_liger.gib() is None:
+        return "not answered yet: the 8-rank `gc + liger + zero3` cell is neither measured nor predicted. "
+    device = zero3_liger.gib("device_peak_gib") or zero3_liger.gib("nvml_peak_gib")
+    needed = device if device is not None else zero3_liger.gib()
+    verdict = "plausible" if needed is not None and needed < 10e9 / 2**30 else "not as claimed"
+    return (f"{verdict}. On 8 GPUs at micro-batch 4, ZeRO-3 with gc and Liger needs {zero3_liger.quote()} per GPU "
+            f"allocated at its peak" + (f", {zero3_liger.quote(device)} of the device with the CUDA context and "
+                                        f"the cache (10 GB = 9.31 GiB)" if device is not None else "")
+            + (f"; with gc alone {zero3.quote()}" if zero3.gib() is not None else "")
+            + (f"; FSDP2 with fp32 master weights, gc and Liger {fsdp_liger.quote()}" if fsdp_liger.gib() is not None
+               else "") + ". ")
 
 
 def openrlhf(sources: Sources) -> list[str]:
