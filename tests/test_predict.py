@@ -221,7 +221,7 @@ def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stack", ["baseline", "gc", "gc + lora", "expandable_segments", "adamw8bit", "liger",
-                                   "gc + liger"])
+                                   "gc + liger", "paged_adamw8bit"])
 def test_the_prediction_matches_the_published_h100_peak(stack: str) -> None:
     """Llama-3.2-3B at seq 2048 batch 2, predicted on this CPU, against the H100's measured peaks
     (results/llama3b): allocated within 1%; reserved (the allocator's model) and the whole device (NVML)

@@ -1,5 +1,5 @@
-"""bitsandbytes on fake tensors: the 8-bit optimizers' maps, the 4-bit (NF4) base, and the scratch of
-its CUDA matmul.
+"""bitsandbytes on fake tensors: the 8-bit optimizers' maps and paged state, the 4-bit (NF4) base, and
+the scratch of its CUDA matmul.
 
 - The 8-bit optimizers and the nested 4-bit statistics build their quantization maps (256 values)
   from Python numbers, which fake tensors cannot hold: the maps are made for real, then handed over
@@ -18,6 +18,7 @@ its CUDA matmul.
   the op returns; `gemm_4bit_scratch` says its sizes, and the counter allocates and frees it around
   the op. Up to 512 rows the choice depends on the layer's shape and the GPU; the custom kernel, with
   no scratch, is assumed there.
+- A paged optimizer's large state buffers are CUDA managed memory: counted apart (`paged_state_apart`).
 - LLM.int8 bases (int8_lora) are not predicted: which columns are decomposed as outliers depends on
   the values.
 """
@@ -25,6 +26,7 @@ its CUDA matmul.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,6 +77,37 @@ def fresh_map_cache() -> Iterator[None]:
     finally:
         functional.name2qmap.clear()
         functional.name2qmap.update(cached)
+
+
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages the state of parameters this large; smaller ones stay in torch's
+
+
+@contextlib.contextmanager
+def paged_state_apart(counter: Any) -> Iterator[None]:
+    """A paged 8-bit optimizer keeps the state of large parameters in CUDA managed memory, which torch's
+    allocator never sees: not in peak allocated or reserved, in NVML's device figure while resident
+    (under pressure the driver pages it to the host instead of failing). On a CPU bitsandbytes makes
+    those buffers plain tensors; they are made here inside the counter's "managed" pool."""
+    try:
+        from bitsandbytes.optim.optimizer import Optimizer8bit
+    except ImportError:
+        yield
+        return
+    original = Optimizer8bit.get_state_buffer
+
+    def state_buffer(self: Any, p: Any, dtype: Any = None) -> Any:
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        if self.is_paged and p.numel() >= PAGED_MIN_NUMEL:
+            with counter.apart("managed"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "paged optimizers are not supported on CPU": they are predicted
+                return original(self, p, **kwargs)
+        return original(self, p, **kwargs)
+
+    Optimizer8bit.get_state_buffer = state_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Optimizer8bit.get_state_buffer = original  # type: ignore[method-assign]
 
 
 def is_4bit(tensor: Any) -> bool:

@@ -23,8 +23,9 @@ the records alive at that event.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..measure import storage_tensors
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
+POOLS = ("host", "managed")  # memory counted apart from the allocator's: pinned host, CUDA managed
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
 # Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
@@ -112,8 +114,12 @@ class MemoryCounter(TorchDispatchMode):
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
-        self.host_live_bytes = self.host_peak_bytes = 0  # pinned host memory (pin_memory=True), apart from the device's
-        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pinned storages -> bytes
+        # Memory counted apart from the caching allocator's: "host" (pinned, pin_memory=True) and "managed"
+        # (CUDA managed memory, made inside `apart("managed")`): bytes alive and their peak, per pool
+        self.apart_live_bytes = dict.fromkeys(POOLS, 0)
+        self.apart_peak_bytes = dict.fromkeys(POOLS, 0)
+        self._apart: WeakIdKeyDictionary = WeakIdKeyDictionary()  # such storages -> their pool
+        self._apart_pool: str | None = None
 
     # --- allocations ---
 
@@ -131,9 +137,10 @@ class MemoryCounter(TorchDispatchMode):
 
     def _dispatch(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
         out = func(*args, **kwargs)
-        if kwargs.get("pin_memory"):  # pinned host memory (activation offload): not the GPU's
+        pool = "host" if kwargs.get("pin_memory") else self._apart_pool  # pinned host memory (activation offload)
+        if pool is not None:
             for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
-                self._track_host(tensor)
+                self._track_apart(tensor, pool)
             return out
         if self._is_gradient_sum(op, args, kwargs, out):
             self._sum(out, args[0])
@@ -141,8 +148,8 @@ class MemoryCounter(TorchDispatchMode):
         # A wrapper subclass (FSDP2's DTensor) owns no memory: the tensors inside it do. Its op's own
         # allocations ran on those while this mode was off, so they are counted here, at their size.
         for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
-            if tensor.untyped_storage() in self._host:
-                continue  # written in place into pinned host memory (a copy_ into it)
+            if tensor.untyped_storage() in self._apart:
+                continue  # written in place into memory counted apart (a copy_ into pinned host memory)
             self.track(tensor, op)
             if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
@@ -164,17 +171,31 @@ class MemoryCounter(TorchDispatchMode):
         if role is not None:
             self.records[index].role = role
 
-    def _track_host(self, tensor: torch.Tensor) -> None:
-        """Pinned host memory, counted apart: host_live_bytes and its peak, never the device's."""
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        self._host[storage] = nbytes
-        self.host_live_bytes += nbytes
-        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
-        weakref.finalize(storage, self._free_host, nbytes)
+    @contextlib.contextmanager
+    def apart(self, pool: str) -> Iterator[None]:
+        """Storages made inside are counted in `pool` (one of POOLS), not the caching allocator's."""
+        before, self._apart_pool = self._apart_pool, pool
+        try:
+            yield
+        finally:
+            self._apart_pool = before
 
-    def _free_host(self, nbytes: int) -> None:
-        self.host_live_bytes -= nbytes
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.apart_peak_bytes["host"]
+
+    def _track_apart(self, tensor: torch.Tensor, pool: str) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self._apart:
+            return
+        nbytes = storage.nbytes()
+        self._apart[storage] = pool
+        self.apart_live_bytes[pool] += nbytes
+        self.apart_peak_bytes[pool] = max(self.apart_peak_bytes[pool], self.apart_live_bytes[pool])
+        weakref.finalize(storage, self._free_apart, pool, nbytes)
+
+    def _free_apart(self, pool: str, nbytes: int) -> None:
+        self.apart_live_bytes[pool] -= nbytes
 
     def _new_record(self, storage: Any, op: str) -> int:
         rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES

@@ -148,8 +148,9 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
             state = bounded
             out["alloc_retries"] = bounded.retries
     out["peak_reserved_gib"] = state.peak_reserved_bytes / measure.GIB
-    if gpu.outside_torch_gib is not None:
-        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
+    if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
+        managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
+        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(counter.steps, state.samples, strict=True)])
@@ -177,7 +178,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
-        with bnb.fresh_map_cache(), counter:
+        with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), counter:
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 counter.track(tensor, "parameter", role="weight")
@@ -187,7 +188,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
             return counter, built, _steps(cell, built, batches, counter)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
-    with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), FakeTensorMode() as mode, counter:
+    with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
+            FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),

@@ -4,6 +4,8 @@ Saves: what adamw8bit saves; in addition, under memory pressure the driver pages
 to host RAM instead of failing, so a step that would OOM can still run. Costs: page migration when
 that happens (slow steps). Managed memory is invisible to torch's allocator counters: only
 `nvml_peak_gib` sees it, so compare this stack on that column. Needs CUDA.
+Predicted: its large state buffers counted apart as managed memory, in the device figure only
+(bench/predict/bnb.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,5 @@ TECHNIQUE = Technique(
     slot="optimizer",
     requires_cuda=True,
     packages=("bitsandbytes",),
-    not_predicted="bitsandbytes' 8-bit step reads tensor values; paged state lives outside the allocator",
     make_optimizer=_make,
 )
