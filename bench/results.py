@@ -164,7 +164,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                    "a model of the caching allocator (bench/predict/allocator.py; with expandable_segments, "
                                    "its pages mapped on demand), bounded by the card where it is known, GiB"),
     ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
-                                 "outside torch (CUDA context; measured per kind), GiB"),
+                                 "outside torch (CUDA context; measured per kind) + CUDA managed memory (a paged "
+                                 "optimizer's state, resident), GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
                      "allocator OOM; empty where the card or its context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "

@@ -14,8 +14,8 @@ indices), in which stage/phase and by which op, and its role, known once the ste
   backward, or kept as a checkpointed layer's input);
 - input: the batches;
 - workspace: cuBLAS workspaces (see `Workspaces`), which no fake kernel allocates;
-- temporary, also: a GPU kernel's own scratch that its fake kernel does not allocate (`KernelScratch`);
-- temporary: anything else (backward's intermediates, a step's scratch).
+- temporary: anything else (backward's intermediates, a step's scratch, and a GPU kernel's own
+  scratch that its fake kernel does not allocate: `KernelScratch`).
 
 The peak is the largest live total after an allocation; the breakdown at the peak sums the roles of
 the records alive at that event.
@@ -89,12 +89,16 @@ class Workspaces:
 
 
 # (op, args, kwargs) -> bytes the op's GPU kernel allocates and frees inside it, which no fake kernel
-# allocates (bench/predict/bnb.py: bitsandbytes' 4-bit matmul); empty for a real CPU run.
+# allocates (bench/predict/bnb.py: bitsandbytes' 4-bit matmul); none for a real CPU run.
 KernelScratch = Callable[[str, Any, Any], list[int]]
 
 
+def no_scratch(op: str, args: Any, kwargs: Any) -> list[int]:
+    return []
+
+
 class MemoryCounter(TorchDispatchMode):
-    def __init__(self, workspaces: Workspaces = Workspaces(), kernel_scratch: KernelScratch = lambda op, args, kwargs: []):
+    def __init__(self, workspaces: Workspaces = Workspaces(), kernel_scratch: KernelScratch = no_scratch):
         super().__init__()
         self.kernel_scratch = kernel_scratch
         self.records: list[Record] = []

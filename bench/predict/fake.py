@@ -44,7 +44,7 @@ from typing import Any
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
 from . import allocator, bnb, hybrid, liger
-from .counter import KernelScratch, MemoryCounter, Workspaces
+from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
 from .gpus import GpuKind
 
 STAGES = ("first_step", "measure")  # the steps run: the first, and one standing for all the others
@@ -100,8 +100,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     """The prediction's figures: the cell's steps on fake tensors, counted for this GPU kind."""
-    counter, built, optimizer_state_gib = counted_run(cell, Workspaces(gpu.cublas_workspace_bytes),
-                                                      kernel_scratch=bnb.gemm_4bit_scratch)
+    counter, built, optimizer_state_gib = counted_for(cell, gpu)
     at_peak = counter.breakdown(counter.peak)
     return {
         **reserved_columns(cell, counter, gpu),
@@ -168,8 +167,14 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
     return out
 
 
+def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
+    """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
+    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul)."""
+    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=bnb.gemm_4bit_scratch)
+
+
 def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
-                kernel_scratch: KernelScratch = lambda op, args, kwargs: []) -> tuple[MemoryCounter, trainer.Built, float]:
+                kernel_scratch: KernelScratch = no_scratch) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's steps under a MemoryCounter: (counter, the build, optimizer state GiB).
     fake=False runs the same steps on real CPU tensors (the model built on the CPU under the
     counter): what the tests compare the fake run with. A GPU's workspaces and kernels' scratch are

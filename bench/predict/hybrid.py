@@ -28,7 +28,7 @@ from typing import Any
 from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack
-from .counter import Peak, Workspaces
+from .counter import Peak
 from .gpus import GpuKind
 
 METHOD = "hybrid/1"
@@ -124,7 +124,7 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     from . import fake
 
     steps = activation_cell(cell)
-    counter, built, _ = fake.counted_run(steps, Workspaces(gpu.cublas_workspace_bytes))
+    counter, built, _ = fake.counted_for(steps, gpu)
     rest = counter.peak_of_roles_except(MODEL_STATE_ROLES)
     replayed = fake.reserved_columns(steps, counter, gpu)
     caching_gib = (replayed.get("peak_reserved_gib") or 0.0) - counter.peak.nbytes / measure.GIB

@@ -93,14 +93,6 @@ def _no_launch(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: Any = None, bias: Any = None,
                             ignore_index: int = -100, reduction: str = "mean", accum_dtype: Any = None,
                             compute_gradients: bool | None = None, weight_requires_grad: bool | None = None,
@@ -110,6 +102,7 @@ def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: An
     suite never sets (class weights, bias, z-loss, token scaling or accuracy, another CE implementation,
     per-token output gradients) are refused rather than guessed."""
     import torch
+    import triton
 
     refused = [k for k in ("lse_square_scale", "label_smoothing", "softcap", "return_z_loss", "use_token_scaling",
                            "return_token_accuracy", "return_predicted_tokens", "ce_impl", "ce_mode",
@@ -119,7 +112,8 @@ def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: An
     input_requires_grad = _input.requires_grad if compute_gradients is None else compute_gradients
     weight_needs_grad = weight.requires_grad if weight_requires_grad is None else weight_requires_grad
     (tokens, _), vocab = _input.shape, weight.shape[0]
-    chunk_size = min(_next_power_of_2(_cdiv(tokens, _cdiv(vocab, chunk_mem_const * _input.shape[1]))), tokens)
+    chunk_size = min(triton.next_power_of_2(triton.cdiv(tokens, triton.cdiv(vocab, chunk_mem_const * _input.shape[1]))),
+                     tokens)  # Liger's chunking, as it computes it
 
     grad_input = torch.zeros_like(_input)
     grad_weight = None
