@@ -32,7 +32,7 @@ install:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[dev,plots,bnb,liger,torchao,lowrank]"
+	$(VENV)/bin/python -m pip install -q -e ".[dev,plots,bnb,liger,torchao,lowrank,cce]"
 	# DeepSpeed is source-only on PyPI: built against the torch above, its ops JIT-built when used
 	DS_BUILD_OPS=0 $(VENV)/bin/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
 # ... except the CPU communication op DeepSpeed builds on first use on a CPU: built now, once, so no cell

@@ -17,7 +17,8 @@ from pathlib import Path
 from .measure import GIB, nvml_device_handle
 
 # import names of the packages optional techniques need
-OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes", "torchao", "galore_torch", "apollo_torch")
+OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes", "torchao", "galore_torch", "apollo_torch",
+                     "cut_cross_entropy")
 VERSIONED = ("torch", "transformers", "peft", "deepspeed", "liger-kernel", "bitsandbytes", "accelerate")
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,9 @@
 - tokens/s vs peak memory, one panel per sequence length (up and to the left is better): the batch
   written by each marker, the Pareto front joined, the capacity line, the stacks' key outside the data;
 - where the memory goes: weights, gradients, optimizer state, and the rest of the allocated peak
-  (activations and temporaries) per stack, from the tensors the worker measured.
+  (activations and temporaries) per stack, from the tensors the worker measured;
+- memory against recompute: the checkpointing policies (gc, selective_gc, compile's memory budget)
+  of one cell, predicted (extra FLOPs per step, the fake run's count) beside measured (step time).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from .stacks import BASELINE
+from .stacks import BASELINE, parse_stack
 from .views import by_cell, peak_column
 
 
-def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """One set of plots per model; returns the files written (none if matplotlib is missing)."""
+def write_plots(frame: pd.DataFrame, out_dir: Path, predicted: pd.DataFrame | None = None) -> list[Path]:
+    """One set of plots per model (with the matrix's predictions, where given); returns the files
+    written (none if matplotlib is missing)."""
     try:
         import matplotlib
 
@@ -37,6 +40,9 @@ def write_plots(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
             _pareto(group, mem_col, out_dir / f"{model}_tokens_vs_memory.png"),
             _breakdown(group, out_dir / f"{model}_breakdown.png"),
         ]
+        if predicted is not None:
+            mine = predicted[(predicted["model"] == model) & (predicted["status"] == "ok") & (predicted["gpus"] == 1)]
+            written.append(_recompute(group, mine, out_dir / f"{model}_memory_vs_recompute.png"))
     return [p for p in written if p is not None]
 
 
@@ -219,3 +225,59 @@ def _save(fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars, not on them
     return _write(fig, path)
+
+
+# What trades activation memory for recomputation: a stack of these alone (or the baseline) is a
+# checkpointing policy.
+RECOMPUTE_TECHNIQUES = frozenset({"gc", "selective_gc", "compile"})
+
+
+def _policies(cells: pd.DataFrame) -> pd.DataFrame:
+    def is_policy(stack: str) -> bool:
+        return stack == BASELINE or set(parse_stack(stack).names) <= RECOMPUTE_TECHNIQUES
+
+    return cells[cells["stack"].map(is_policy).astype(bool)]
+
+
+def _recompute(measured: pd.DataFrame, predicted: pd.DataFrame, path: Path) -> Path | None:
+    """The checkpointing policies of one cell (the predictions' middle sequence length and batch):
+    peak allocated against what recomputation costs. Left, predicted: FLOPs per step over the
+    baseline's (the fake run's count: matmuls and attention recomputed). Right, measured: step time
+    over the baseline's, where the GPU ran them. None without three predicted policies."""
+    import matplotlib.pyplot as plt
+
+    if predicted.empty or "step_tflop" not in predicted:
+        return None
+    seq = sorted(predicted["seq_len"].unique())[(predicted["seq_len"].nunique() - 1) // 2]
+    batch = sorted(predicted["batch_size"].unique())[(predicted["batch_size"].nunique() - 1) // 2]
+    at = {name: _policies(f[(f["seq_len"] == seq) & (f["batch_size"] == batch)]).set_index("stack")
+          for name, f in (("predicted", predicted.dropna(subset=["step_tflop"])), ("measured", measured))}
+    if len(at["predicted"]) < 3 or BASELINE not in at["predicted"].index:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    base = at["predicted"].loc[BASELINE]
+    _policy_points(left, at["predicted"], 100 * (at["predicted"]["step_tflop"] / base["step_tflop"] - 1))
+    left.set(xlabel="PREDICTED extra FLOPs per step over the baseline (%)", ylabel="PREDICTED peak allocated (GiB)",
+             title="predicted (fake run)")
+    if BASELINE in at["measured"].index and len(at["measured"]) >= 2:
+        speed = at["measured"]["tokens_per_s"]
+        _policy_points(right, at["measured"], 100 * (speed[BASELINE] / speed - 1))
+        right.set(xlabel="measured step time over the baseline (%)", ylabel="measured peak allocated (GiB)",
+                  title=f"measured ({at['measured']['gpu_name'].iloc[0]})")
+    else:
+        right.text(0.5, 0.5, "not measured on a GPU yet", ha="center", va="center", transform=right.transAxes)
+        right.set_axis_off()
+    fig.suptitle(f"{predicted['model'].iloc[0]}, seq {seq}, batch {batch}: activation memory against recompute",
+                 fontsize=11)
+    return _write(fig, path)
+
+
+def _policy_points(ax, cells: pd.DataFrame, cost_pct: pd.Series) -> None:
+    """A marker per policy at (cost, peak allocated), its stack written beside it."""
+    for stack, row in cells.iterrows():
+        ax.scatter(cost_pct[stack], row["peak_allocated_gib"], color="#0072B2", edgecolors="black", linewidths=0.4,
+                   zorder=3)
+        ax.annotate(str(stack), (cost_pct[stack], row["peak_allocated_gib"]), xytext=(4, 3),
+                    textcoords="offset points", fontsize=6.5)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)

@@ -296,7 +296,7 @@ def publish(parquet: Path, ladder: tuple[str, ...] = (), plan: Plan | None = Non
     run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame, plan), ladder, predicted=predicted, plan=plan))
     headline = headline_run(matrix_dir)
     frame = read_parquet(headline)
-    plots = write_plots(frame, matrix_dir / "plots")
+    plots = write_plots(frame, matrix_dir / "plots", predicted)
     board = matrix_dir / "LEADERBOARD.md"
     board.write_text(leaderboard(frame, reproduce_command(frame, plan), ladder,
                                  tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted, plan))

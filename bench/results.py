@@ -128,8 +128,9 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 3  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
-# alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits
+PREDICTED_SCHEMA_VERSION = 4  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+# alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
+# 4: step_tflop
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -180,6 +181,10 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                               "reserved memory and the context are not counted), GiB; negative: does not fit"),
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",
                                     "trainable_params", "flops_per_token")),
+    ("step_tflop", "float", "PREDICTED floating-point operations of the last step run (a steady one), as the fake "
+                            "run dispatches them (torch's FlopCounterMode: matmuls and attention, recomputation "
+                            "included, element-wise ops not); empty where matmuls run in Triton or bitsandbytes "
+                            "kernels (liger, cce, qlora, int8_lora), TFLOP"),
     ("allocations", "int", "allocations in the fake run's trace"),
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "

@@ -100,16 +100,16 @@ def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reser
     assert allocator.replay(events).peak_reserved_bytes == measured["peak_reserved"]
 
 
-def _liger_loss_peak(device: str) -> int:
-    """Bytes the fused linear cross-entropy adds at its peak over forward and backward, on `device`
-    ("cuda": the real kernels, measured by the allocator; "fake": bench/predict/liger.py under the counter)."""
-    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+def _fused_loss_peak(device: str, loss: Any, predicting: Any) -> int:
+    """Bytes a fused linear cross-entropy `loss(hidden, weight, target)` adds at its peak over forward
+    and backward, on `device` ("cuda": the real kernels, measured by the allocator; "fake": under the
+    counter, inside `predicting()`, the predictor's stand-in for its kernels)."""
 
     def step(make: Any) -> None:
         hidden = make((4096, 1024), torch.bfloat16).requires_grad_()
         weight = torch.nn.Parameter(make((32000, 1024), torch.bfloat16))
         target = make((4096,), torch.int64)
-        LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0].backward()
+        loss(hidden, weight, target).backward()
 
     if device == "cuda":
         torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's workspace made first
@@ -121,10 +121,9 @@ def _liger_loss_peak(device: str) -> int:
         return torch.cuda.max_memory_allocated() - before
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.predict import liger
     from bench.predict.counter import MemoryCounter
 
-    with liger.predicting("llama"), FakeTensorMode(), MemoryCounter() as counter:
+    with predicting(), FakeTensorMode(), MemoryCounter() as counter:
         counter.enter("s/backward")
         step(lambda shape, dtype: torch.zeros(shape, dtype=dtype))
     return counter.peak.nbytes
@@ -134,7 +133,33 @@ def test_the_fake_run_allocates_what_ligers_fused_loss_allocates_on_cuda() -> No
     """bench/predict/liger.py mirrors Liger's CUDA path of the fused linear cross-entropy: the same
     peak, to the allocator's rounding (a few 512 B blocks)."""
     pytest.importorskip("liger_kernel")
-    assert _liger_loss_peak("fake") == pytest.approx(_liger_loss_peak("cuda"), abs=64 * 1024)
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    from bench.predict import liger
+
+    def loss(hidden: Any, weight: Any, target: Any) -> Any:
+        return LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0]
+
+    def predicting() -> Any:
+        return liger.predicting("llama")
+
+    assert _fused_loss_peak("fake", loss, predicting) == pytest.approx(_fused_loss_peak("cuda", loss, predicting),
+                                                                       abs=64 * 1024)
+
+
+def test_the_fake_run_allocates_what_cut_cross_entropy_allocates_on_cuda() -> None:
+    """bench/predict/cce.py runs cut-cross-entropy's wrappers with no kernel launched: the same peak
+    as its Triton kernels on the GPU, to the allocator's rounding (every label valid in both)."""
+    pytest.importorskip("cut_cross_entropy")
+    from cut_cross_entropy import linear_cross_entropy
+
+    from bench.predict import cce
+
+    def loss(hidden: Any, weight: Any, target: Any) -> Any:
+        return linear_cross_entropy(hidden, weight, target, shift=True, impl="cce")
+
+    assert _fused_loss_peak("fake", loss, cce.predicting) == pytest.approx(
+        _fused_loss_peak("cuda", loss, cce.predicting), abs=64 * 1024)
 
 
 def _4bit_matmul_peak(device: str) -> int:

@@ -447,6 +447,29 @@ def test_another_liger_version_is_not_predicted_but_said(monkeypatch: pytest.Mon
                                           f"cross-entropy of {liger.MIRRORED_VERSION} only"
 
 
+def test_a_cut_cross_entropy_prediction_fakes_its_kernels() -> None:
+    """cce(impl=cce): its wrappers run on fake tensors with no kernel launched, so the step has no
+    logits (at least the fp32 logits' bytes below the baseline's peak); the helpers the fake run
+    replaces are the package's own again afterwards. The compiled fallback is said, not guessed."""
+    pytest.importorskip("cut_cross_entropy")
+    from cut_cross_entropy import cce
+
+    helpers = (cce._build_flat_valids, cce.sort_logit_avg)
+    h100 = gpus.get("h100")
+
+    def predicted(stack: str) -> dict[str, Any]:
+        return fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), h100)
+
+    baseline, cut = predicted("baseline"), predicted("cce")
+    assert cut["status"] == "ok", cut.get("error")
+    fp32_logits_gib = 2 * 64 * 1024 * 4 / 2**30  # tokens x tiny-llama's vocabulary, fp32
+    assert cut["peak_allocated_gib"] < baseline["peak_allocated_gib"] - fp32_logits_gib
+    assert (cce._build_flat_valids, cce.sort_logit_avg) == helpers
+    compiled = predicted("cce(impl=torch_compile)")
+    assert (compiled["status"], compiled["unsupported_reason"]) == (
+        "unsupported", "cce: cce(impl=torch_compile) runs compiled kernels: not run on fake tensors")
+
+
 @pytest.mark.parametrize("rows", [512, 1024])
 def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> None:
     """bitsandbytes' 4-bit matmul: CUDA's kernel dequantizes the whole weight (and its nested fp32
@@ -469,3 +492,25 @@ def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> Non
         assert out.shape == (rows, 1024) and counter.live_bytes == before + rows * 1024 * 2
     scratch = 2 * (1024 * 512 // 64) * 4 + 1024 * 512 * 2 if rows > 512 else 0  # absmax fp32 twice, the weight
     assert counter.phase_peaks["s/forward"] == before + scratch + rows * 1024 * 2
+
+
+def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -> None:
+    """gc recomputes every decoder layer's forward in backward, selective_gc (every 2nd of tiny-llama's
+    two layers) one of them: the fake run's FLOP count grows by exactly twice as much for gc; the
+    op-level policy recomputes only element-wise ops, which FLOPs do not count. The memory-vs-recompute
+    plot draws them (no GPU rows: its measured panel says so)."""
+    from bench import plots
+
+    h100 = gpus.get("h100")
+    stacks = ("baseline", "gc", "selective_gc", "selective_gc(every=1, ops=matmuls)")
+    found = {s: fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(s)), h100) for s in stacks}
+    flops = {s: found[s]["step_tflop"] for s in stacks}
+    assert flops["gc"] - flops["baseline"] == pytest.approx(2 * (flops["selective_gc"] - flops["baseline"]))
+    assert flops["selective_gc"] > flops["baseline"] == flops["selective_gc(every=1, ops=matmuls)"]
+    assert found["gc"]["peak_allocated_gib"] < found["baseline"]["peak_allocated_gib"]
+    predicted = pd.DataFrame([{"model": "tiny-llama", "seq_len": 64, "batch_size": 2, "gpus": 1, "stack": s,
+                               **found[s]} for s in stacks])
+    path = plots._recompute(predicted.iloc[:0], predicted, tmp_path / "recompute.png")
+    assert path is not None and path.stat().st_size > 10_000
+    liger = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("liger")), h100)
+    assert liger["status"] == "ok" and liger["step_tflop"] is None  # its matmuls run in Triton: not counted

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.envinfo import OPTIONAL_PACKAGES
 from bench.techniques import REGISTRY
 from conftest import raw_rows, run_bench, write_matrix
 
@@ -21,6 +22,9 @@ def test_technique_declares_what_it_saves_and_costs(name: str) -> None:
     assert t.summary and len(t.summary) <= 110
     for option, allowed in t.choices.items():
         assert t.options[option] in allowed, f"{name}.{option}: default outside its choices"
+    # the planner looks for a technique's packages among the optional ones only: one missing there
+    # would make every cell of the technique "not installed", wherever it runs
+    assert set(t.packages) <= set(OPTIONAL_PACKAGES), f"{name}: add its packages to envinfo.OPTIONAL_PACKAGES"
 
 
 CATALOGUE = """
@@ -35,7 +39,8 @@ matrices:
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
              gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
              torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile,
-             galore(rank=8), "apollo(rank=1, scale_type=tensor)"]
+             galore(rank=8), "apollo(rank=1, scale_type=tensor)", cce, cce(impl=torch_compile),
+             gc + cce(impl=torch_compile), compile(scope=model), "compile(scope=model, memory_budget=0)"]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -48,6 +53,7 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     pytest.importorskip("torchao")
     pytest.importorskip("galore_torch")
     pytest.importorskip("apollo_torch")
+    pytest.importorskip("cut_cross_entropy")
     write_matrix(workdir, CATALOGUE)
     proc = run_bench(workdir, "run", "cat", "--run-id", "c", "--prefork", "on")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -59,7 +65,8 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     for exact in ("adamw(impl=foreach)", "adamw(impl=forloop)", "eager_attention", "grad_accum", "chunked_ce(chunks=3)",
                   "chunked_ce + gc", "optimizer_in_backward", "activation_offload(min_bytes=0)",
                   "activation_offload(min_bytes=0) + gc", "selective_gc", "selective_gc(every=1, ops=matmuls)",
-                  "compile", "compile + gc"):
+                  "compile", "compile + gc", "cce(impl=torch_compile)", "cce(impl=torch_compile) + gc",
+                  "compile(scope=model)", "compile(memory_budget=0, scope=model)"):
         assert losses[exact] == pytest.approx(base, rel=1e-3), exact
     assert json.loads(rows["chunked_ce(chunks=3)"]["evidence_json"])["chunked_ce_chunks"] == 3
     dora, lora = (json.loads(rows[s]["evidence_json"]) for s in ("dora", "lora"))
@@ -79,6 +86,11 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     compiled = json.loads(rows["compile"]["evidence_json"])  # tiny-llama: 2 decoder layers, one shape
     assert compiled["compiled_modules"] == 2 and 1 <= compiled["compile_graphs"] <= 4  # settled: no recompile per step
     assert rows["compile"]["first_step_s"] > rows["baseline"]["first_step_s"]  # compilation: the first step, not measured
+    # the activation memory budget: at 0 the partitioner recomputes what it can, so far less is saved
+    budgeted, free = (json.loads(rows[s]["evidence_json"]) for s in ("compile(memory_budget=0, scope=model)",
+                                                                       "compile(scope=model)"))
+    assert budgeted["compile_memory_budget"] == 0 and free["compile_memory_budget"] == 1.0
+    assert budgeted["saved_for_backward_gib"] < free["saved_for_backward_gib"] / 10
 
     # 8-bit states: less optimizer memory than bf16 AdamW's two bf16 moments, same first loss.
     assert rows["adamw8bit"]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
@@ -98,6 +110,10 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         assert rows[stack]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
         assert losses[stack][0] == pytest.approx(base[0], rel=1e-3)
 
+    cut = json.loads(rows["cce(impl=torch_compile)"]["evidence_json"])
+    assert (cut["cce_impl"], cut["cce_model"]) == ("torch_compile", "LlamaForCausalLM")
+    assert rows["cce"]["skip_reason"] == \
+        "cce: cce(impl=cce) runs Triton kernels on CUDA; cce(impl=torch_compile) runs on any device"
     assert rows["grad_accum(steps=4)"]["skip_reason"] == "grad_accum(steps=4): batch 2 does not split into 4 equal micro-batches"
 
     for gpu_only in ("liger", "expandable_segments", "paged_adamw8bit"):

@@ -66,12 +66,14 @@ class Peak:
 @dataclass(frozen=True)
 class StepEnd:
     """Where a step ended in the trace: its stage, its batch's positions per row, the event count and
-    the bytes alive then."""
+    the bytes alive then; and the floating-point operations the step dispatched (FlopCounterMode's
+    count: matmuls and attention, recomputation included; 0 where not counted)."""
 
     stage: str
     positions: int
     event: int
     live_bytes: int
+    flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -302,10 +304,10 @@ class MemoryCounter(TorchDispatchMode):
         elif where.endswith("/optimizer"):
             self._mark((p.grad for p in self.on_optimizer() if p.grad is not None), "gradient")
 
-    def step_done(self, stage: str, positions: int) -> None:
+    def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
         """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""
         self._settle()
-        self.steps.append(StepEnd(stage, positions, self.events, self.live_bytes))
+        self.steps.append(StepEnd(stage, positions, self.events, self.live_bytes, flops))
 
     def finish(self) -> None:
         """After the last step: the optimizer's state of that step is known too."""

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, bnb, hybrid, liger
+from . import allocator, bnb, cce, hybrid, liger
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
 from .gpus import GpuKind
 
@@ -59,6 +59,10 @@ AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
 }
 
 
+# Stacks whose matmuls run in kernels the dispatcher does not see (Triton's, bitsandbytes'): FLOPs not
+# counted, so no step_tflop rather than one too low.
+UNCOUNTED_FLOPS = frozenset({"liger", "cce", "qlora", "int8_lora"})
+
 # Engines whose ranks the fake process group simulates (the others' cells need one GPU).
 FAKE_GROUP_ENGINES = ("fsdp",)
 
@@ -72,6 +76,9 @@ def unsupported_reason(cell: Cell) -> str | None:
             return f"{use.name}: {use.technique.not_predicted}"
     if "liger" in cell.stack.names and liger.unsupported_reason():
         return f"liger: {liger.unsupported_reason()}"
+    cut = _use(cell, "cce")
+    if cut is not None and cce.unsupported_reason(cut.opts["impl"]):
+        return f"cce: {cce.unsupported_reason(cut.opts['impl'])}"
     if zero:
         return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
@@ -90,7 +97,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         return {"status": "unsupported", "unsupported_reason": reason}
     start = time.perf_counter()
     try:
-        with _cell_env(cell), _fake_process_group(cell), _liger(cell):
+        with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
             found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
@@ -115,6 +122,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "total_params": built.total_params,
         "trainable_params": built.trainable_params,
         "flops_per_token": built.flops_per_token,
+        "step_tflop": None if set(cell.stack.names) & UNCOUNTED_FLOPS else counter.steps[-1].flops / 1e12,
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
         **_host(counter),
@@ -205,12 +213,15 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 
 def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter) -> float:
     """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     job = trainer.wrap(cell, built)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     for stage, batch in _stepped(cell, built, batches):
-        job.step(batch, counter, stage)
-        counter.step_done(stage, batch.input_ids.shape[-1])
+        with FlopCounterMode(display=False) as flops:  # what recomputation costs shows here
+            job.step(batch, counter, stage)
+        counter.step_done(stage, batch.input_ids.shape[-1], flops.get_total_flops())
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 
@@ -324,6 +335,16 @@ def _liger(cell: Cell) -> contextlib.AbstractContextManager[None]:
     if "liger" not in cell.stack.names:
         return contextlib.nullcontext()
     return liger.predicting(models.get(cell.model).family)
+
+
+def _cce(cell: Cell) -> contextlib.AbstractContextManager[None]:
+    """Cut cross-entropy's Triton kernels launch nothing on fake tensors (bench/predict/cce.py)."""
+    return cce.predicting() if "cce" in cell.stack.names else contextlib.nullcontext()
+
+
+def _use(cell: Cell, name: str) -> Any:
+    """The stack's use of technique `name`, or None."""
+    return next((use for use in cell.stack.uses if use.name == name), None)
 
 
 @contextlib.contextmanager

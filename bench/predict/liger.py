@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
+from . import triton_launch
+
 MIRRORED_VERSION = "0.8.5"
 
 
@@ -75,22 +77,15 @@ def _fake_kernels() -> Iterator[None]:
     """While predicting: every Triton kernel launch does nothing, and the fused linear cross-entropy
     takes its CUDA path (`_flce_forward_cuda_path`, `_flce_backward`)."""
     from liger_kernel.ops import fused_linear_cross_entropy as flce
-    from triton.runtime import jit
 
-    launch = jit.KernelInterface.__getitem__
     forward, backward = flce.fused_linear_cross_entropy_forward, flce.fused_linear_cross_entropy_backward
-    jit.KernelInterface.__getitem__ = lambda self, grid: _no_launch  # type: ignore[method-assign]
     flce.fused_linear_cross_entropy_forward = _flce_forward_cuda_path
     flce.fused_linear_cross_entropy_backward = _flce_backward
     try:
-        yield
+        with triton_launch.no_launches():
+            yield
     finally:
-        jit.KernelInterface.__getitem__ = launch  # type: ignore[method-assign]
         flce.fused_linear_cross_entropy_forward, flce.fused_linear_cross_entropy_backward = forward, backward
-
-
-def _no_launch(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: Any = None, bias: Any = None,

@@ -13,32 +13,16 @@ LoRA wrappers); Liger's fused linear cross-entropy does the same job in a Triton
 
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
+from ._loss_head import IGNORE, replace_loss
 from .base import Evidence, Options, Phase, Technique
-
-IGNORE = -100
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    causal_lm = next((m for m in model.modules() if hasattr(m, "lm_head") and hasattr(m, "model")), None)
-    if causal_lm is None:
-        raise RuntimeError("chunked_ce: no causal LM with `model` and `lm_head` found")
-    causal_lm.forward = types.MethodType(_chunked_forward(opts["chunks"]), causal_lm)
-    return model, {"chunked_ce_chunks": opts["chunks"], "chunked_ce_model": type(causal_lm).__name__}
-
-
-def _chunked_forward(chunks: int) -> Any:
-    def forward(self: Any, input_ids: Any = None, labels: Any = None, attention_mask: Any = None,
-                position_ids: Any = None, **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            **kwargs).last_hidden_state
-        return CausalLMOutputWithPast(loss=chunked_loss(hidden, self.lm_head, labels, chunks))
-
-    return forward
+    causal_lm = replace_loss(model, "chunked_ce", functools.partial(chunked_loss, chunks=opts["chunks"]))
+    return model, {"chunked_ce_chunks": opts["chunks"], "chunked_ce_model": causal_lm}
 
 
 def chunked_loss(hidden: Any, lm_head: Any, labels: Any, chunks: int) -> Any:

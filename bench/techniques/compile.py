@@ -7,6 +7,13 @@ steps let recompiles settle, and the evidence counts the graphs compiled), and a
 inductor toolchain (Triton on a GPU, a C++ compiler on a CPU). `scope=layers` (default) compiles
 each decoder layer once per distinct shape; `scope=model` compiles the model's forward in one
 graph, loss included. Exact up to the rounding of fused kernels: losses track the baseline's.
+
+`memory_budget` is AOTAutograd's activation memory budget (torch._functorch.config
+.activation_memory_budget): 1 (the default) lets the partitioner save what is fastest to keep; lower
+values make it recompute more in backward, down to 0 (save the least it can), so one number trades
+activation memory for recompute within each compiled graph, as selective checkpointing does by hand.
+The evidence gives what the last micro-batch saved for backward (`saved_for_backward_gib`, the
+compiled graphs' and the eager ops' around them, parameters excluded).
 """
 
 from __future__ import annotations
@@ -21,34 +28,63 @@ from .base import Evidence, Options, Phase, Technique
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    budget = {"compile_memory_budget": opts["memory_budget"]}
     if opts["scope"] == "model":
         model.compile()
-        return model, {"compile_scope": "model", "compiled_modules": 1}
+        return model, {"compile_scope": "model", "compiled_modules": 1, **budget}
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]  # the decoder layers
     if not layers:
         raise RuntimeError(f"compile: {type(model).__name__} has no decoder layers to compile")
     for layer in layers:
         layer.compile()  # in place: gc and adapters applied later still wrap or live inside the compiled call
-    return model, {"compile_scope": "layers", "compiled_modules": len(layers)}
+    return model, {"compile_scope": "layers", "compiled_modules": len(layers), **budget}
 
 
 @contextlib.contextmanager
-def _count_graphs(cell: Any, opts: Options, evidence: Evidence) -> Iterator[None]:
-    """After each step: the graphs dynamo has compiled in this worker so far (a recompile adds one, so
-    a count that grows with the steps says the warm-up did not settle)."""
+def _in_step(cell: Any, opts: Options, evidence: Evidence) -> Iterator[None]:
+    """Around each micro-batch: the memory budget in force (graphs compile at their first call, which
+    is inside the step), and what the step saves for backward counted. After it: the graphs dynamo
+    has compiled in this worker so far (a recompile adds one, so a count that grows with the steps
+    says the warm-up did not settle)."""
     from torch._dynamo.utils import counters
+    from torch._functorch import config
 
-    yield
+    # Only the innermost saved-tensor hooks act: with activation_offload's own (it counts what it
+    # moves), counting here would keep its hooks from seeing anything.
+    counting = "activation_offload" not in cell.stack.names
+    with config.patch(activation_memory_budget=opts["memory_budget"]), \
+            (_saved_bytes_counted(evidence) if counting else contextlib.nullcontext()):
+        yield
     evidence["compile_graphs"] = int(counters["stats"]["unique_graphs"])
+
+
+@contextlib.contextmanager
+def _saved_bytes_counted(evidence: Evidence) -> Iterator[None]:
+    """The bytes the step saves for backward, parameters excluded, each storage once
+    (`saved_for_backward_gib`; inside checkpointed layers gc's own hooks see them, not these)."""
+    import torch
+
+    saved: dict[int, int] = {}  # storage address -> bytes
+
+    def pack(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+    evidence["saved_for_backward_gib"] = sum(saved.values()) / 2**30
 
 
 TECHNIQUE = Technique(
     name="compile",
     summary="torch.compile per decoder layer (or the whole model): fused kernels, fewer saved intermediates",
     phase=Phase.PATCH,
-    options={"scope": "layers"},
+    options={"scope": "layers", "memory_budget": 1.0},
     choices={"scope": ("layers", "model")},
+    ranges={"memory_budget": "[0, 1]"},
     not_predicted="inductor's fused kernels allocate differently than eager ops: not run on fake tensors yet",
     apply=_apply,
-    around_step=_count_graphs,
+    around_step=_in_step,
 )
