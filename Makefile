@@ -25,6 +25,7 @@ REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
 LLAMA3B_RUN ?= llama3b-h100-20261122
+UNSLOTH ?= 2026.10.9
 
 .PHONY: install bench list report scenarios site fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
 
@@ -33,6 +34,9 @@ install:
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/python -m pip install -q -e ".[dev,plots,bnb,liger,torchao,lowrank,cce]"
+	# Unsloth (the `unsloth` peer stack) without its declared dependencies: they would pull a CUDA torch
+	# (torchvision, xformers) and pin transformers; what its import needs beyond ours is requests
+	$(VENV)/bin/python -m pip install -q --no-deps "unsloth==$(UNSLOTH)" "unsloth_zoo==$(UNSLOTH)" requests urllib3 certifi
 	# DeepSpeed is source-only on PyPI: built against the torch above, its ops JIT-built when used
 	DS_BUILD_OPS=0 $(VENV)/bin/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
 # ... except the CPU communication op DeepSpeed builds on first use on a CPU: built now, once, so no cell

@@ -43,3 +43,28 @@ def random_checkpoint(model_name: str, seed: int) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def with_tokenizer(path: Path, vocab_size: int) -> Path:
+    """The checkpoint with a tokenizer beside it, for loaders that insist on loading one (Unsloth's):
+    a word-level vocabulary of `vocab_size` placeholder tokens. The suite feeds token ids, so no text
+    is ever tokenized with it. Written to a temporary file, then renamed, as the checkpoint is."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    if (path / "tokenizer.json").exists():
+        return path
+    vocabulary = {f"<t{i}>": i for i in range(vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="<t0>")),
+                                        unk_token="<t0>", pad_token="<t1>", eos_token="<t2>")
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-tok-"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(p.name for p in tmp.iterdir()):  # tokenizer.json last: its presence means done
+            if name != "tokenizer.json":
+                os.replace(tmp / name, path / name)
+        os.replace(tmp / "tokenizer.json", path / "tokenizer.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -18,7 +18,7 @@ from .measure import GIB, nvml_device_handle
 
 # import names of the packages optional techniques need
 OPTIONAL_PACKAGES = ("peft", "deepspeed", "liger_kernel", "bitsandbytes", "torchao", "galore_torch", "apollo_torch",
-                     "cut_cross_entropy")
+                     "cut_cross_entropy", "unsloth")
 VERSIONED = ("torch", "transformers", "peft", "deepspeed", "liger-kernel", "bitsandbytes", "accelerate")
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,6 +20,7 @@ that fails exits non-zero after writing its row, so torchrun stops the ranks wai
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from .cells import Cell
 from .engines import Engine
 from .measure import GIB
 
+FIRST_IMPORTS_ENV = "BENCH_WORKER_FIRST_IMPORTS"  # a technique's `env` names them (unsloth)
 PRELOAD_MODEL_ENV = "BENCH_WORKER_MODEL"  # the runner names the cell's model: its code is imported before the cell
 OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
 HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory",)  # host RAM exhausted (CPU cells, offload)
@@ -45,6 +47,8 @@ def main() -> None:
         distributed.die_with_parent()
         if os.getppid() == 1:  # torchrun died before the line above
             return
+    for name in filter(None, os.environ.get(FIRST_IMPORTS_ENV, "").split(",")):
+        importlib.import_module(name)  # a library that patches transformers must be imported before it
     import torch  # noqa: F401  (the slow imports happen here, before the cell is handed over)
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401

@@ -121,6 +121,42 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         assert rows[gpu_only]["skip_reason"] == f"{gpu_only} needs CUDA (this cell runs on cpu)"
 
 
+PEER = """
+matrices:
+  peer:
+    device: cpu
+    models: [tiny-llama]
+    seq_lens: [64]
+    batch_sizes: [2]
+    stacks: [baseline, lora(r=32), "unsloth(load_in_4bit=false)", unsloth]
+    steps: {warmup: 2, measure: 3}
+    timeout_s: 300
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_unsloth_trains_the_same_cell_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsloth's own loader and LoRA (its CPU fallback) train the suite's cell: from the same random
+    checkpoint and tokens, so its first loss is the baseline's, with as many trainable parameters as
+    our LoRA at its rank on the same layers. Its 4-bit base is refused on a CPU, with the reason."""
+    pytest.importorskip("unsloth")
+    monkeypatch.setenv("BENCH_CACHE", str(workdir / "cache"))
+    write_matrix(workdir, PEER)
+    proc = run_bench(workdir, "run", "peer", "--run-id", "p", "--prefork", "on")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["stack"]: r for r in raw_rows(workdir, "p").values()}
+    peer = rows["unsloth(load_in_4bit=False)"]
+    assert peer["status"] == "ok", peer.get("error")
+    evidence = json.loads(peer["evidence_json"])
+    assert (evidence["lora_modules"], evidence["unsloth_gc"]) == (14, "unsloth")  # tiny-llama: 2 layers x 7
+    assert peer["trainable_params"] == rows["lora(r=32)"]["trainable_params"]
+    first = json.loads(peer["losses_json"])[0]
+    assert first == pytest.approx(json.loads(rows["baseline"]["losses_json"])[0], rel=1e-4)
+    assert rows["unsloth"]["skip_reason"] == \
+        "unsloth: a 4-bit base needs CUDA (Unsloth's CPU fallback trains 16-bit LoRA: load_in_4bit=false)"
+
+
 ENGINES = """
 matrices:
   ds:

@@ -31,8 +31,9 @@ def wrap(job: EngineJob) -> tuple[DdpEngine, Evidence]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    cuda = job.cell.device == "cuda"
-    distributed.init(cuda)
+    distributed.init(job.cell.device == "cuda")
+    # where the weights are, not the cell's device: a prediction runs a CUDA cell on fake CPU tensors
+    cuda = next(job.model.parameters()).device.type == "cuda"
     opts = job.options_of("ddp")
     model = DistributedDataParallel(job.model, device_ids=[distributed.local_rank()] if cuda else None,
                                     bucket_cap_mb=opts["bucket_mb"], gradient_as_bucket_view=opts["bucket_view"],

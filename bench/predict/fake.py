@@ -64,7 +64,7 @@ AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
 UNCOUNTED_FLOPS = frozenset({"liger", "cce", "qlora", "int8_lora"})
 
 # Engines whose ranks the fake process group simulates (the others' cells need one GPU).
-FAKE_GROUP_ENGINES = ("fsdp",)
+FAKE_GROUP_ENGINES = ("fsdp", "ddp")
 
 
 def unsupported_reason(cell: Cell) -> str | None:
