@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import results
+from . import peers, results
 from .views import gib, rate
 
 
@@ -59,6 +59,7 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
                          f"{_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
+    lines += beside_published(summary, str(first["matrix"]), "measured")
     return "\n".join(lines) + "\n"
 
 
@@ -108,11 +109,49 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
                          f"{_int(r['smallest_oom'])} |")
         lines.append("")
+    lines += beside_published(summary, str(first["matrix"]), "predicted")
     unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
     if len(unsupported):
         lines += ["## Not predicted", "", "| stack | why |", "|---|---|"]
         lines += [f"| `{r['stack']}` | {r['unsupported_reason']} |" for _, r in unsupported.iterrows()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def beside_published(summary: pd.DataFrame, matrix: str, kind: str) -> list[str]:
+    """Where another project publishes the same frontier (bench/peers.py): their table as they give it,
+    with our longest sequence per stack at the budget of the same number of GB, `kind` (measured or
+    predicted). Empty for other matrices."""
+    published = peers.FRONTIERS.get(matrix)
+    seq = summary[summary["axis"] == "seq"] if len(summary) else summary
+    if published is None or not len(seq):
+        return []
+    longest = {(float(r["budget_gib"]), r["stack"]): _longest(r) for _, r in seq.iterrows()}
+    stacks = sorted(seq["stack"].unique())
+    lines = [f"## Beside {published.source}'s published figures (theirs, quoted; ours {kind})", "",
+             f"- Theirs: <{published.url}>, read on {published.read_on}. Setup: {published.setup}. Their memory "
+             "column is the card's size in GB as they write it; ours is a budget in GiB of device memory, taken at "
+             "the same number (an \"80 GB\" H100 holds 79.2 GiB).",
+             f"- Ours: the longest sequence at batch 1 per stack ({kind}), bisected in steps of the fit's seq_step; "
+             "empty: not searched at that budget, or not covered (the sections above say why).", "",
+             "| card GB | " + " | ".join(f"{c} (theirs)" for c in published.columns) + " | "
+             + " | ".join(f"`{st}` ({kind})" for st in stacks) + " |",
+             "|---" * (1 + len(published.columns) + len(stacks)) + "|"]
+    for card_gb, theirs in published.rows:
+        quoted = " | ".join(f"{x:,}" if x is not None else "OOM" for x in theirs)
+        ours = " | ".join(longest.get((float(card_gb), st), "") for st in stacks)
+        lines.append(f"| {card_gb} | {quoted} | {ours} |")
+    return [*lines, ""]
+
+
+def _longest(search: pd.Series) -> str:
+    """A seq search's answer as a cell: the longest that fit, OOM (not even the shortest), or why not."""
+    if pd.notna(search["largest_ok"]):
+        return f"{int(search['largest_ok']):,}"
+    stopped = str(search.get("stopped") or "")  # e.g. "unsupported at 1024": the search could not go on
+    if not stopped:
+        return "OOM"
+    status = stopped.split(" at ")[0]
+    return {"unsupported": "not predicted"}.get(status, status)
 
 
 def plot(summary: pd.DataFrame, path: Path) -> Path | None:

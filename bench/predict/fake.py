@@ -45,6 +45,7 @@ from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
 from . import allocator, bnb, cce, hybrid, liger
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
+from .flops import FlopCount
 from .gpus import GpuKind
 
 STAGES = ("first_step", "measure")  # the steps run: the first, and one standing for all the others
@@ -213,15 +214,13 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 
 def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter) -> float:
     """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     job = trainer.wrap(cell, built)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     for stage, batch in _stepped(cell, built, batches):
-        with FlopCounterMode(display=False) as flops:  # what recomputation costs shows here
+        with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
-        counter.step_done(stage, batch.input_ids.shape[-1], flops.get_total_flops())
+        counter.step_done(stage, batch.input_ids.shape[-1], counted.flops)
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 

@@ -19,7 +19,8 @@ LossFn = Callable[[Any, Any, Any], Any]
 def replace_loss(model: Any, technique: str, loss: LossFn) -> str:
     """Replaces the forward of the innermost causal LM (found through LoRA wrappers) by one that
     computes `loss`; returns the causal LM's class name, for the evidence."""
-    causal_lm = next((m for m in model.modules() if hasattr(m, "lm_head") and hasattr(m, "model")), None)
+    # its own submodules, not attributes: peft's wrappers pass `lm_head` and `model` through to it
+    causal_lm = next((m for m in model.modules() if {"lm_head", "model"} <= set(m._modules)), None)
     if causal_lm is None:
         raise RuntimeError(f"{technique}: no causal LM with `model` and `lm_head` found")
     causal_lm.forward = types.MethodType(_forward(loss), causal_lm)
