@@ -145,3 +145,28 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     assert summary.loc[("compile", "batch"), "stopped"].startswith("unsupported at")
     board = (fit_dir / "FIT-predicted.md").read_text()
     assert board.startswith("# PREDICTED: fits on my GPU") and "compile: inductor" in board
+
+
+def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
+    """unsloth8b's boards quote Unsloth's table (their recipes, their numbers, their page and the date
+    read) with our longest sequence per stack at the budget of the same number: a length where one
+    fit, OOM where not even the shortest did, "not predicted" where the fake run does not cover the
+    stack; budgets we did not search stay empty. Other matrices get no such section."""
+    from bench import fitreport, peers
+
+    published = peers.FRONTIERS["unsloth8b"]
+    searches = pd.DataFrame([
+        {"axis": "seq", "budget_gib": 16.0, "stack": "gc + qlora(r=32)", "largest_ok": 9216.0, "stopped": ""},
+        {"axis": "seq", "budget_gib": 8.0, "stack": "gc + qlora(r=32)", "largest_ok": float("nan"), "stopped": ""},
+        {"axis": "seq", "budget_gib": 16.0, "stack": "unsloth", "largest_ok": float("nan"),
+         "stopped": "unsupported at 1024"},
+        {"axis": "batch", "budget_gib": 16.0, "stack": "unsloth", "largest_ok": 1.0, "stopped": ""},
+    ])
+    lines = fitreport.beside_published(searches, "unsloth8b", "predicted")
+    text = "\n".join(lines)
+    assert published.url in text and published.read_on in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and "---" not in line}
+    assert rows["16"] == "| 16 | 40,724 | 2,551 | 9,216 | not predicted |"  # columns: theirs, then ours by stack
+    assert rows["8"] == "| 8 | 2,972 | OOM | OOM |  |"
+    assert rows["80"] == "| 80 | 342,733 | 28,454 |  |  |"
+    assert fitreport.beside_published(searches, "fit3b", "predicted") == []

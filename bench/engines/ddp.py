@@ -37,19 +37,20 @@ def wrap(job: EngineJob) -> tuple[DdpEngine, Evidence]:
     opts = job.options_of("ddp")
     model = DistributedDataParallel(job.model, device_ids=[distributed.local_rank()] if cuda else None,
                                     bucket_cap_mb=opts["bucket_mb"], gradient_as_bucket_view=opts["bucket_view"],
-                                    static_graph=_checkpointed(job))
+                                    static_graph=_reentrant_checkpointing(job))
     evidence = {
         "ddp_world_size": torch.distributed.get_world_size(),
         "ddp_bucket_mb": opts["bucket_mb"],
         "ddp_gradient_as_bucket_view": opts["bucket_view"],
-        "ddp_static_graph": _checkpointed(job),
+        "ddp_static_graph": _reentrant_checkpointing(job),
     }
     return DdpEngine(model, make_optimizer(list(job.trainable), job.setup, job.uses)), evidence
 
 
-def _checkpointed(job: EngineJob) -> bool:
+def _reentrant_checkpointing(job: EngineJob) -> bool:
     """Reentrant activation checkpointing runs a layer's backward outside DDP's autograd hooks: DDP
-    then needs `static_graph` to know every parameter's gradient arrives exactly once."""
-    return any(technique.name == "gc" for technique, _ in job.uses)
+    then needs `static_graph` to know every parameter's gradient arrives exactly once. gc's default
+    (non-reentrant) recomputes inside the same graph and needs nothing."""
+    return any(technique.name == "gc" and opts["use_reentrant"] for technique, opts in job.uses)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, bnb, cce, hybrid, liger
+from . import allocator, bnb, cce, ddp, hybrid, liger
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -83,7 +83,7 @@ def unsupported_reason(cell: Cell) -> str | None:
     if zero:
         return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
-        return f"{cell.gpus} ranks: only FSDP2's ranks are simulated (fake process group)"
+        return f"{cell.gpus} ranks: only FSDP2's and DDP's ranks are simulated (fake process group)"
     return None
 
 
@@ -199,22 +199,24 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
                 for state in bnb.quantized_state_tensors(tensor):  # a 4-bit weight's statistics
                     counter.track(state, "quant_state", role="weight")
             batches = [_counted_batch(b, lambda t: t, counter) for b in _cell_batches(cell, built)]
-            return counter, built, _steps(cell, built, batches, counter)
+            return counter, built, _steps(cell, built, batches, counter, fake=False)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
-            FakeTensorMode() as mode, counter:
+            ddp.predicting(), FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
                         total_params=sum(p.numel() for p in model.parameters()))
         batches = [_counted_batch(b, mode.from_tensor, counter) for b in real_batches]
-        return counter, built, _steps(cell, built, batches, counter)
+        return counter, built, _steps(cell, built, batches, counter, fake=True)
 
 
-def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter) -> float:
+def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter, fake: bool) -> float:
     """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
     job = trainer.wrap(cell, built)
+    if fake:  # a fake group's all-reduce returns nothing (bench/predict/ddp.py)
+        ddp.reduce_in_place(job.engine.model)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     for stage, batch in _stepped(cell, built, batches):
@@ -312,7 +314,7 @@ def _cell_env(cell: Cell) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fake_process_group(cell: Cell) -> Iterator[None]:
-    """For an FSDP2 cell: this process as rank 0 of `cell.gpus` ranks of torch's fake backend, and the
+    """For an FSDP2 or DDP cell: this process as rank 0 of `cell.gpus` ranks of torch's fake backend, and the
     ranks' device mesh made before any tensor turns fake. Torn down after, so the next cell starts clean."""
     if not _fake_group_engine(cell):
         yield
