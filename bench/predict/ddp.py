@@ -29,11 +29,12 @@ def predicting() -> Iterator[None]:
 
     verify, rebuild = distributed._verify_param_shape_across_processes, Reducer._rebuild_buckets
     distributed._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    Reducer._rebuild_buckets = lambda self: False
+    Reducer._rebuild_buckets = lambda self: False  # type: ignore[method-assign]
     try:
         yield
     finally:
-        distributed._verify_param_shape_across_processes, Reducer._rebuild_buckets = verify, rebuild
+        distributed._verify_param_shape_across_processes = verify
+        Reducer._rebuild_buckets = rebuild  # type: ignore[method-assign]
 
 
 def reduce_in_place(model: Any) -> None:
