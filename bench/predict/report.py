@@ -119,7 +119,7 @@ def _summary(both: pd.DataFrame, n_unsupported: int, n_missing: int) -> list[str
 # How a prediction was made, as PREDICTION.md groups them: (label, rows of that kind)
 METHODS = (
     ("one rank, fake run", lambda f: f["prediction_method"].str.startswith("fake-run") & (f["gpus"] == 1)),
-    ("several ranks, fake process group (FSDP2)",
+    ("several ranks, fake process group (FSDP2, DDP)",
      lambda f: f["prediction_method"].str.startswith("fake-run") & (f["gpus"] > 1)),
     ("ZeRO, hybrid (DeepSpeed's accounting + fake run)", lambda f: f["prediction_method"].str.startswith("hybrid")),
 )
