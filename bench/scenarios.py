@@ -354,8 +354,18 @@ def playbook(sources: Sources) -> list[str]:
     return [*lines, f"**Answer:** at 8 rows per step, 4 micro-batches of 2 need {accumulated.quote()} against "
             f"{whole.quote()} for one batch of 8 ({(b - a) / a:+.0%}): accumulation buys the batch the card cannot "
             f"hold; mixed precision (fp32 weights, bf16 autocast) needs {mixed.quote()} against pure bf16's "
-            f"{pure.quote()} at batch 2. DDP keeps a whole replica per GPU: its cells need the GPUs (not predicted "
-            "yet).", ""]
+            f"{pure.quote()} at batch 2. {_ddp_answer(sources)}", ""]
+
+
+def _ddp_answer(sources: Sources) -> str:
+    """DDP against FSDP2 on the same 2 GPUs, batch 2 per GPU, from whatever figures exist."""
+    planned = sources.planned("playbook-ranks")
+    ddp, fsdp = (sources.figure(_find(planned, "llama-3.2-3b", 2048, 2, s), number=True) for s in ("ddp", "fsdp"))
+    d, f = ddp.gib(), fsdp.gib()
+    if d is None or f is None:
+        return "DDP on 2 GPUs: not yet measured nor predicted."
+    return (f"On 2 GPUs at batch 2 per GPU, DDP (a whole replica per GPU, plus its gradient buckets) needs "
+            f"{ddp.quote()} per GPU against FSDP2's {fsdp.quote()} ({(f - d) / d:+.0%}).")
 
 
 def _gib(x: Any) -> str:
