@@ -111,4 +111,6 @@ gpu-backlog:  # each step resumes where it stopped, and a step with failed cells
 	-$(PY) -m bench run playbook
 	-$(PY) -m bench fit fit3b --budgets $(BUDGETS)
 	-$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN)
+	# the catalogue's peers: Unsloth's long-context table, its recipe beside ours (long: 8B up to 352k tokens)
+	-$(PY) -m bench fit unsloth8b --budgets 8,12,16,24,40,48,80 --max-seq 360448 --seq-step 1024
 	tar czf results/gpu-backlog.tgz results/raw
