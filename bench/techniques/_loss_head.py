@@ -19,12 +19,18 @@ LossFn = Callable[[Any, Any, Any], Any]
 def replace_loss(model: Any, technique: str, loss: LossFn) -> str:
     """Replaces the forward of the innermost causal LM (found through LoRA wrappers) by one that
     computes `loss`; returns the causal LM's class name, for the evidence."""
-    # its own submodules, not attributes: peft's wrappers pass `lm_head` and `model` through to it
+    causal_lm = causal_lm_of(model, technique)
+    causal_lm.forward = types.MethodType(_forward(loss), causal_lm)
+    return type(causal_lm).__name__
+
+
+def causal_lm_of(model: Any, technique: str) -> Any:
+    """The causal LM inside `model` (itself, or under peft's wrappers): the module whose own
+    submodules are `model` and `lm_head` (peft's wrappers only pass those attributes through)."""
     causal_lm = next((m for m in model.modules() if {"lm_head", "model"} <= set(m._modules)), None)
     if causal_lm is None:
         raise RuntimeError(f"{technique}: no causal LM with `model` and `lm_head` found")
-    causal_lm.forward = types.MethodType(_forward(loss), causal_lm)
-    return type(causal_lm).__name__
+    return causal_lm
 
 
 def _forward(loss: LossFn) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .. import models
+from ._loss_head import causal_lm_of
 from .base import Evidence, Options, Phase, Technique
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def _before_build(cell: Cell, opts: Options) -> None:
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     liger_modules = sum(1 for m in model.modules() if type(m).__module__.startswith("liger_kernel"))
-    fused_loss = type(model).forward.__module__.startswith("liger_kernel")
+    # the causal LM's class forward: a quantized base comes back already wrapped in peft's adapters
+    fused_loss = type(causal_lm_of(model, "liger")).forward.__module__.startswith("liger_kernel")
     if (opts["rms_norm"] or opts["swiglu"]) and liger_modules == 0:
         raise RuntimeError("liger: no module of the built model is a Liger module")
     if opts["fused_linear_cross_entropy"] and not fused_loss:
