@@ -48,7 +48,10 @@ def main() -> None:
         if os.getppid() == 1:  # torchrun died before the line above
             return
     for name in filter(None, os.environ.get(FIRST_IMPORTS_ENV, "").split(",")):
-        importlib.import_module(name)  # a library that patches transformers must be imported before it
+        # a library that patches transformers must be imported before it; if it fails here, the cell's
+        # build imports it again and its row records the error
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     import torch  # noqa: F401  (the slow imports happen here, before the cell is handed over)
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
