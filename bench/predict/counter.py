@@ -66,8 +66,8 @@ class Peak:
 @dataclass(frozen=True)
 class StepEnd:
     """Where a step ended in the trace: its stage, its batch's positions per row, the event count and
-    the bytes alive then; and the floating-point operations the step dispatched (FlopCounterMode's
-    count: matmuls and attention, recomputation included; 0 where not counted)."""
+    the bytes alive then; and the floating-point operations the step dispatched (bench/predict/flops.py:
+    matmuls and attention, recomputation included; 0 where not counted)."""
 
     stage: str
     positions: int

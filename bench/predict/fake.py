@@ -203,7 +203,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
-            ddp.predicting(), FakeTensorMode() as mode, counter:
+            _ddp(cell), FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
@@ -336,6 +336,11 @@ def _liger(cell: Cell) -> contextlib.AbstractContextManager[None]:
     if "liger" not in cell.stack.names:
         return contextlib.nullcontext()
     return liger.predicting(models.get(cell.model).family)
+
+
+def _ddp(cell: Cell) -> contextlib.AbstractContextManager[None]:
+    """DDP's by-value steps set aside on fake tensors (bench/predict/ddp.py)."""
+    return ddp.predicting() if "ddp" in cell.stack.names else contextlib.nullcontext()
 
 
 def _cce(cell: Cell) -> contextlib.AbstractContextManager[None]:
