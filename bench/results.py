@@ -128,9 +128,9 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 4  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 5  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
-# 4: step_tflop
+# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -139,7 +139,7 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("schema_version", "int", "version of this (predicted) schema"),
     ("run_id", "str", "the prediction run this row belongs to"),
     *(c for c in SCHEMA if c[0] in ("cell_id", "matrix", "model", "seq_len", "batch_size", "gpus", "stack",
-                                    "stack_json", "warmup_steps", "measure_steps", "seed")),
+                                    "stack_json", "warmup_steps", "measure_steps", "seed", "checkpoint")),
     ("device", "str", "the cell's device: what is predicted (the fake run itself runs on a CPU)"),
     ("status", "str", " | ".join(PREDICTED_STATUSES)),
     ("unsupported_reason", "str", "for unsupported: what the fake run does not cover yet (a technique, several ranks)"),
@@ -177,6 +177,16 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                "estimate of the offloaded states (x1.5, its default allowance); activation offload, the "
                                "fake run's peak of pinned host memory; + 1.53 GiB per worker process (measured), GiB"),
     ("host_fits", "bool", "PREDICTED host_peak_gib <= the host's RAM (--host-memory-gib); False: expect host_oom"),
+    ("checkpoint_peak_allocated_gib", "float", "PREDICTED allocated during the checkpoint save: what the last step "
+                                               "left alive (bench/predict/save.py: the saves modelled allocate "
+                                               "nothing new on the GPU beyond what training gathers), GiB"),
+    ("checkpoint_peak_reserved_gib", "float", "PREDICTED reserved during the save: what training reserved (the "
+                                              "cache is kept), GiB"),
+    ("checkpoint_host_copies_gib", "float", "PREDICTED host memory the save holds at once: its copies of GPU "
+                                            "tensors, or the whole gathered model (bench/predict/save.py), GiB"),
+    ("checkpoint_host_peak_gib", "float", "PREDICTED host RAM during the save: the worker processes, what training "
+                                          "keeps on the host (offloaded state) and the save's copies, GiB; "
+                                          "measured counterpart: host_rss_peak_gib (the whole run's)"),
     ("headroom_gib", "float", "gpu_memory_gib - device_peak_gib (where known, else - peak_allocated_gib: then "
                               "reserved memory and the context are not counted), GiB; negative: does not fit"),
     *(c for c in SCHEMA if c[0] in ("weights_gib", "grads_gib", "optimizer_state_gib", "total_params",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +153,35 @@ def test_a_zero_cell_is_deepspeeds_model_states_plus_the_fake_runs_other_bytes(
         assert "host_peak_gib" not in found
     else:
         assert found["host_peak_gib"] == pytest.approx(host_b_per_param * params / 2**30 + ranks * 1.53)
+
+
+SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:full", "zero2:model", "zero3:full",
+         "zero3:model")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_predicted_save_copies_what_the_real_save_hands_its_writers() -> None:
+    """Real saves on the CPU (tests/save_spy.py: the plain engine, DeepSpeed on one gloo rank) record
+    the storages each file write receives. On a GPU, a model save holds all of them on the host at once
+    (safetensors copies a file's tensors first; ZeRO-2's are one flat buffer; ZeRO-3 gathers a host
+    copy), a full save one storage at a time (torch.save). The prediction of the same cell for a GPU
+    must say exactly that many bytes."""
+    pytest.importorskip("deepspeed")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "save_spy.py"), *SAVES], capture_output=True,
+                          text=True, cwd=REPO, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    writes = json.loads(proc.stdout.strip().splitlines()[-1])
+    for job in SAVES:
+        stack, kind = job.split(":")
+        matrix = dataclasses.replace(SMOKE, checkpoint=kind)
+        found = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus.get("h100"))
+        assert found["status"] == "ok", found.get("error")
+        sizes = [size for file in writes[job] for size in file]
+        held = sum(sizes) if kind == "model" else max(sizes)
+        assert found["checkpoint_host_copies_gib"] * 2**30 == pytest.approx(held, abs=BLOCK_BYTES), job
+        assert found["checkpoint_host_peak_gib"] == pytest.approx(1.53 + held / 2**30), job  # no offload: 1 worker
+        assert found["checkpoint_peak_allocated_gib"] < found["peak_allocated_gib"], job  # after the step, no gather
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, bnb, cce, ddp, hybrid, liger
+from . import allocator, bnb, cce, ddp, hybrid, liger, save
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -84,7 +84,7 @@ def unsupported_reason(cell: Cell) -> str | None:
         return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
         return f"{cell.gpus} ranks: only FSDP2's and DDP's ranks are simulated (fake process group)"
-    return None
+    return save.unsupported_reason(cell)
 
 
 def _fake_group_engine(cell: Cell) -> bool:
@@ -110,8 +110,10 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     """The prediction's figures: the cell's steps on fake tensors, counted for this GPU kind."""
     counter, built, optimizer_state_gib = counted_for(cell, gpu)
     at_peak = counter.breakdown(counter.peak)
+    reserved = reserved_columns(cell, counter, gpu)
     return {
-        **reserved_columns(cell, counter, gpu),
+        **reserved,
+        **_save(cell, counter, built, json.loads(reserved["step_trace_json"])[-1]["reserved_gib"]),
         "peak_allocated_gib": counter.peak.nbytes / measure.GIB,
         "steady_peak_allocated_gib": counter.steady_peak.nbytes / measure.GIB,
         "peak_phase": counter.peak.where,
@@ -128,6 +130,16 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "phase_timeline_json": json.dumps(_timeline(counter)),
         **_host(counter),
     }
+
+
+def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib: float) -> dict[str, Any]:
+    """A checkpoint save after the last step (bench/predict/save.py): the GPU as the step left it;
+    on the host, the worker processes, pinned memory still held, and the save's copies."""
+    if cell.checkpoint == "none":
+        return {}
+    host_gib = cell.gpus * hybrid.WORKER_PROCESS_GIB + counter.apart_live_bytes["host"] / measure.GIB
+    return save.columns(save.plain_host_copy_bytes(cell.checkpoint, counter, built.model),
+                        counter.steps[-1].live_bytes / measure.GIB, reserved_gib, host_gib)
 
 
 def _host(counter: MemoryCounter) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from typing import Any
 from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack
-from .counter import Peak
+from . import save
+from .counter import MemoryCounter, Peak
 from .gpus import GpuKind
 
 METHOD = "hybrid/1"
@@ -131,6 +132,19 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     meta = trainer.build_model(cell, device="meta").model
     total = sum(p.numel() for p in meta.parameters())
     states = model_states(cell, total, largest_layer_params(meta))
-    return {**hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu),
+    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu)
+    return {**out, **_save(cell, counter, states, [p.numel() for p in meta.parameters()], out),
             "total_params": total, "trainable_params": total, "flops_per_token": built.flops_per_token,
             "allocations": len(counter.records)}
+
+
+def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[int], out: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint save after the last step (bench/predict/save.py): on the GPU, the model states and
+    bucket plus what the fake run still holds after its last step besides model states; the cache
+    keeps what training reserved; the host holds what training keeps there plus the save's copies."""
+    if cell.checkpoint == "none":
+        return {}
+    kept = sum(r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role not in MODEL_STATE_ROLES)
+    after_step_gib = (states.gpu_bytes + states.bucket_bytes + kept) / measure.GIB
+    host_gib = out.get("host_peak_gib", cell.gpus * WORKER_PROCESS_GIB)
+    return save.columns(save.zero_host_copy_bytes(cell, params), after_step_gib, out["peak_reserved_gib"], host_gib)

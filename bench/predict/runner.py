@@ -117,7 +117,7 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
         "schema_version": results.PREDICTED_SCHEMA_VERSION,
         "run_id": opts.run_id,
         **{k: c[k] for k in ("cell_id", "matrix", "model", "seq_len", "batch_size", "gpus", "stack", "device",
-                             "warmup_steps", "measure_steps", "seed")},
+                             "warmup_steps", "measure_steps", "seed", "checkpoint")},
         "stack_json": json.dumps(c["stack_uses"], sort_keys=True),
         "prediction_method": METHOD,
         "gpu_kind": opts.gpu.key,

@@ -1,0 +1,105 @@
+"""A checkpoint save after the last step, predicted: what it adds on the GPU and on the host.
+
+A save computes nothing; it copies. What each save path copies, and where to, is read from its
+code (torch 2.11-2.13, safetensors 0.8, transformers 5, DeepSpeed 0.19) and sized from the cell's
+own tensors: the fake run's (plain engine, DDP) or the parameter counts the hybrid uses (ZeRO).
+
+| engine | saved | the host holds at once, besides what training keeps there |
+|---|---|---|
+| plain, DDP (rank 0) | full: `torch.save` | the largest GPU storage: torch.save copies one storage to the host (`storage.cpu()`), writes it and drops it before the next |
+| plain, DDP (rank 0) | model: `save_pretrained` | every tensor saved (a PEFT model: its adapters): safetensors copies all of a file's tensors to the host before it writes, and a transformers 5 file holds up to 50 GB |
+| ZeRO-2 | model: `save_16bit_model` | the 16-bit weights: they are views of one flat buffer, which torch.save copies whole |
+| ZeRO-2 | full: `save_checkpoint` | the larger of the 16-bit weights (cloned to the host for the model file, `clone_tensors_for_torch_save`) and the flat fp32 partition (written by torch.save one storage at a time; already on the host where offloaded) |
+| ZeRO-3 | model: `save_16bit_model` | the whole 16-bit model on rank 0 (`_zero3_consolidated_16bit_state_dict` keeps a host copy of each module's gathered weights) |
+| ZeRO-3 | full: `save_checkpoint` | the largest fp32 sub-group partition (`sub_group_size` elements at most; already on the host where offloaded); the module's own file holds empty placeholders |
+
+On the GPU a save allocates nothing in these paths but ZeRO-3's gather of one module at a time,
+which training gathers every step already (DeepSpeed's estimate keeps room for the largest layer):
+the save's GPU peak is what is alive after the last step, and the allocator's cache keeps what
+training reserved. FSDP2's distributed checkpoint is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .. import measure
+from ..cells import Cell
+from .counter import MemoryCounter
+
+KINDS = ("model", "full")
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size` (the suite sets none)
+BF16_BYTES, FP32_BYTES = 2, 4
+
+
+def unsupported_reason(cell: Cell) -> str | None:
+    if cell.checkpoint == "none":
+        return None
+    if "fsdp" in cell.stack.names:
+        return "checkpoint save: FSDP2's distributed checkpoint (torch.distributed.checkpoint) is not modelled yet"
+    return None
+
+
+def plain_host_copy_bytes(kind: str, counter: MemoryCounter, model: Any) -> int:
+    """The plain engine's save (DDP's rank 0 saves the same), from the fake run: `full` torch.saves the
+    model's and the optimizer's state, so the largest storage alive after the last step among weights
+    and optimizer state; `model` writes the exported weights, all at once."""
+    if kind == "full":
+        alive = counter.alive_at(counter.steps[-1].event)
+        return max((r.nbytes for r in alive if r.role in ("weight", "optimizer_state")), default=0)
+    return sum(t.untyped_storage().nbytes() for t in _exported(model))
+
+
+def _exported(model: Any) -> Iterable[Any]:
+    """What save_pretrained writes: a PEFT model's adapters (its trainable tensors), else every
+    parameter and persistent buffer, a tied weight once."""
+    if hasattr(model, "peft_config"):
+        tensors = [p for p in model.parameters() if p.requires_grad]
+    else:
+        tensors = list(model.state_dict(keep_vars=True).values())
+    return list({id(t): t for t in tensors}.values())
+
+
+def zero_host_copy_bytes(cell: Cell, params: list[int]) -> int:
+    """A ZeRO cell's save, from its parameters' sizes in order (`params`, tied ones once; every one
+    trains under ZeRO here): bf16 weights, fp32 master partition and Adam's moments per rank."""
+    bf16_weights = BF16_BYTES * sum(params)
+    optimizer_on_host = any(u.name == "offload" and u.opts["optimizer"] for u in cell.stack.uses)
+    if cell.checkpoint == "model":
+        return bf16_weights  # ZeRO-2: the flat buffer whole; ZeRO-3: gathered onto rank 0's host
+    if optimizer_on_host:
+        fp32_partition = 0  # written in place from host memory
+    elif "zero3" in cell.stack.names:
+        fp32_partition = FP32_BYTES * max(_sub_groups(params, cell.gpus, ZERO3_SUB_GROUP_SIZE))
+    else:
+        fp32_partition = FP32_BYTES * -(-sum(params) // cell.gpus)
+    model_file = bf16_weights if "zero2" in cell.stack.names else 0  # ZeRO-3's module file: placeholders
+    return max(model_file, fp32_partition)
+
+
+def _sub_groups(params: list[int], ranks: int, sub_group_size: int) -> list[int]:
+    """Elements per rank of each ZeRO-3 sub-group: parameters taken in order, a group closed once it
+    holds `sub_group_size` or more (DeepSpeed's _create_fp16_sub_groups); one group if all fit."""
+    partitions = [-(-n // ranks) for n in params]
+    if sum(partitions) <= sub_group_size:
+        return [sum(partitions)]
+    groups, size = [], 0
+    for elements in partitions:
+        size += elements
+        if size >= sub_group_size:
+            groups.append(size)
+            size = 0
+    return [*groups, size] if size else groups
+
+
+def columns(host_copy_bytes: int, after_step_allocated_gib: float, reserved_gib: float | None,
+            host_before_gib: float) -> dict[str, Any]:
+    """The predicted checkpoint_* columns: the GPU as the last step left it, the host plus the copies."""
+    copies_gib = host_copy_bytes / measure.GIB
+    return {
+        "checkpoint_peak_allocated_gib": after_step_allocated_gib,
+        "checkpoint_peak_reserved_gib": max(reserved_gib or 0.0, after_step_allocated_gib),
+        "checkpoint_host_copies_gib": copies_gib,
+        "checkpoint_host_peak_gib": host_before_gib + copies_gib,
+    }
