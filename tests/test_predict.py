@@ -159,6 +159,18 @@ SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:fu
          "zero3:model")
 
 
+@pytest.mark.parametrize(("params", "ranks", "expected"), [
+    ([6, 5, 4, 3], 1, [11, 7]),  # closed at 6 + 5 >= 10; the last parameter closes the rest
+    ([6, 5, 4, 3], 2, [10]),  # partitions 3 + 3 + 2 + 2 fit in one group
+    ([7, 7], 3, [6]),  # ceil(7 / 3) = 3 each
+])
+def test_zero3_sub_groups_are_formed_as_deepspeed_forms_them(params: list[int], ranks: int,
+                                                            expected: list[int]) -> None:
+    from bench.predict import save
+
+    assert save._sub_groups(params, ranks, 10) == expected
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_predicted_save_copies_what_the_real_save_hands_its_writers() -> None:

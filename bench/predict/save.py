@@ -4,14 +4,26 @@ A save computes nothing; it copies. What each save path copies, and where to, is
 code (torch 2.11-2.13, safetensors 0.8, transformers 5, DeepSpeed 0.19) and sized from the cell's
 own tensors: the fake run's (plain engine, DDP) or the parameter counts the hybrid uses (ZeRO).
 
-| engine | saved | the host holds at once, besides what training keeps there |
-|---|---|---|
-| plain, DDP (rank 0) | full: `torch.save` | the largest GPU storage: torch.save copies one storage to the host (`storage.cpu()`), writes it and drops it before the next |
-| plain, DDP (rank 0) | model: `save_pretrained` | every tensor saved (a PEFT model: its adapters): safetensors copies all of a file's tensors to the host before it writes, and a transformers 5 file holds up to 50 GB |
-| ZeRO-2 | model: `save_16bit_model` | the 16-bit weights: they are views of one flat buffer, which torch.save copies whole |
-| ZeRO-2 | full: `save_checkpoint` | the larger of the 16-bit weights (cloned to the host for the model file, `clone_tensors_for_torch_save`) and the flat fp32 partition (written by torch.save one storage at a time; already on the host where offloaded) |
-| ZeRO-3 | model: `save_16bit_model` | the whole 16-bit model on rank 0 (`_zero3_consolidated_16bit_state_dict` keeps a host copy of each module's gathered weights) |
-| ZeRO-3 | full: `save_checkpoint` | the largest fp32 sub-group partition (`sub_group_size` elements at most; already on the host where offloaded); the module's own file holds empty placeholders |
+What the host holds at once, besides what training keeps there:
+
+- plain engine (and DDP's rank 0), `full` (torch.save of model and optimizer state): the largest GPU
+  storage. torch.save copies one storage to the host (`storage.cpu()`), writes it and drops it
+  before the next.
+- plain engine, `model` (save_pretrained): every tensor saved (a PEFT model: its adapters).
+  safetensors copies all of a file's tensors to the host before it writes, and a transformers 5
+  file holds up to 50 GB.
+- ZeRO-2, `model` (save_16bit_model): the 16-bit weights. They are views of one flat buffer, which
+  torch.save copies whole.
+- ZeRO-2, `full` (save_checkpoint): the larger of that flat buffer (the module's file) and the flat
+  fp32 partition (the optimizer's file, with Adam's moments, one storage at a time); the partition
+  is already on the host where the optimizer is offloaded, and is written in place.
+- ZeRO-3, `model`: the whole 16-bit model on rank 0 (`_zero3_consolidated_16bit_state_dict` keeps
+  a host copy of each module's gathered weights).
+- ZeRO-3, `full`: the largest fp32 sub-group partition (at most about `sub_group_size` elements;
+  in place where offloaded); the module's own file holds empty placeholders.
+
+tests/test_predict.py checks these sizes against what real saves on the CPU hand torch.save and
+safetensors (tests/save_spy.py).
 
 On the GPU a save allocates nothing in these paths but ZeRO-3's gather of one module at a time,
 which training gathers every step already (DeepSpeed's estimate keeps room for the largest layer):
