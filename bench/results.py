@@ -176,7 +176,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO, DeepSpeed's "
                                "estimate of the offloaded states (x1.5, its default allowance); activation offload, the "
                                "fake run's peak of pinned host memory; + 1.53 GiB per worker process (measured), GiB"),
-    ("host_fits", "bool", "PREDICTED host_peak_gib <= the host's RAM (--host-memory-gib); False: expect host_oom"),
+    ("host_fits", "bool", "PREDICTED host_peak_gib and checkpoint_host_peak_gib <= the host's RAM (--host-memory-gib); "
+                          "False: expect host_oom"),
     ("checkpoint_peak_allocated_gib", "float", "PREDICTED allocated during the checkpoint save: what the last step "
                                                "left alive (bench/predict/save.py: the saves modelled allocate "
                                                "nothing new on the GPU beyond what training gathers), GiB"),

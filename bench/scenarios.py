@@ -315,27 +315,73 @@ def _stairs(sources: Sources, planned: list[cells.Cell]) -> list[str]:
     return [*lines, ""] if len(lines) > 2 else []
 
 
+SAVE_MATRICES = ("save3b", "save3b-model", "save8b", "save8b-model")
+
+
 def saves(sources: Sources) -> list[str]:
     lines = ["## 4. OOM when saving a checkpoint after ZeRO-3 + offload training (LLaMA-Factory)", "",
              "> Training with ZeRO-3 and offload went through; saving the checkpoint ran out of memory.", "",
-             "Matrices `save3b`, `save3b-model`, `save8b`, `save8b-model`: a measured save after the last step, full "
-             "state (model + optimizer) or the model only (`save_only_model`: ZeRO-3 gathers its 16-bit weights).", "",
-             "| cell | saved | training peak reserved GiB | save peak reserved GiB | host RSS peak GiB | save s | on disk GiB |",
-             "|---|---|---|---|---|---|---|"]
-    found = 0
-    for matrix in ("save3b", "save3b-model", "save8b", "save8b-model"):
-        for cell in sources.planned(matrix):
-            figure = sources.figure(cell)
-            if figure.source != "measured" or not figure.row:
-                continue
-            r, found = figure.row, found + 1
-            lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {_gib(r.get('peak_reserved_gib'))} | "
-                         f"{_gib(r.get('checkpoint_peak_reserved_gib'))} | {_gib(r.get('host_rss_peak_gib'))} | "
-                         f"{_seconds(r.get('checkpoint_s'))} | {_gib(r.get('checkpoint_disk_gib'))} |")
-    if not found:
-        return [*lines[:-2], "**Answer:** not yet: no save cell has run on a GPU (the GPU backlog, item 3); a save is "
-                "not predicted (the fake run stops at the optimizer step).", ""]
-    return [*lines, "", f"**Answer:** {found} save cells measured; see the save peak beside training's.", ""]
+             "Matrices `save3b`, `save3b-model`, `save8b`, `save8b-model`: a save after the last step, full state "
+             "(model + optimizer) or the model only (`save_only_model`: ZeRO-3 gathers its 16-bit weights). Measured "
+             "on a GPU where run; else predicted (bench/predict/save.py: what each save path copies, read from its "
+             "code and checked against real saves on a CPU; no save has been measured on a GPU to check it yet). "
+             "Host: measured, the worker's RSS peak over the whole run; predicted, RAM during the save (workers, "
+             "offloaded state, the save's copies).", "",
+             "| cell | saved | training peak reserved GiB | save peak reserved GiB | host GiB during the save | "
+             "of which the save's copies | save s | on disk GiB |", "|---|---|---|---|---|---|---|---|"]
+    figures = {cell: sources.figure(cell) for matrix in SAVE_MATRICES for cell in sources.planned(matrix)}
+    for cell, figure in figures.items():
+        if figure.row is None:
+            lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {figure.cell()} | | | | | |")
+            continue
+        r = figure.row
+        host = r.get("host_rss_peak_gib") if figure.source == "measured" else r.get("checkpoint_host_peak_gib")
+        lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {figure.cell('peak_reserved_gib')} | "
+                     f"{figure.cell('checkpoint_peak_reserved_gib')} | {_marked(figure, _gib(host))} | "
+                     f"{_marked(figure, _gib(r.get('checkpoint_host_copies_gib')))} | "
+                     f"{_marked(figure, _seconds(r.get('checkpoint_s')))} | "
+                     f"{_marked(figure, _gib(r.get('checkpoint_disk_gib')))} |")
+    return [*lines, "", "**Answer:** " + _save_answer(sources, figures), ""]
+
+
+def _marked(figure: Figure, text: str) -> str:
+    """A table entry marked as its figure is: **measured**, *predicted*; empty stays empty."""
+    if not text:
+        return ""
+    return f"**{text}**" if figure.source == "measured" else f"*{text}*"
+
+
+def _save_answer(sources: Sources, figures: dict[cells.Cell, Figure]) -> str:
+    """What a save adds on the GPU and on the host, for the report's case: 8B, ZeRO-3 + offload."""
+    known = [(c, f) for c, f in figures.items() if f.gib("checkpoint_peak_reserved_gib") is not None]
+    if not known:
+        return "not yet: no save cell is measured or predicted."
+    rises = [(save - training, c) for c, f in known if f.source == "measured"
+             and (save := f.gib("checkpoint_peak_reserved_gib")) is not None
+             and (training := f.gib("peak_reserved_gib")) is not None]
+    if rises:
+        rise, grown = max(rises, key=lambda rc: rc[0])
+        gpu = (f"On the GPU, the save reserved at most **{gib(rise)} GiB** (measured) more than training over "
+               f"{len(rises)} measured save cells (`{grown.stack.label}`, {grown.checkpoint})")
+    else:
+        gpu = ("On the GPU, a save allocates nothing new in these save paths (predicted, from their code: ZeRO-3's "
+               "gather of one module at a time excepted, which training does every step), so its peak is training's")
+    zero3 = {c.checkpoint: f for c, f in known
+             if c.model == "llama-3.1-8b" and {"zero3", "offload"} <= set(c.stack.names)}
+    if set(zero3) != {"model", "full"}:
+        return gpu + "."
+    host = {kind: f.gib("checkpoint_host_peak_gib" if f.source == "predicted" else "host_rss_peak_gib")
+            for kind, f in zero3.items()}
+    copies = {kind: f.gib("checkpoint_host_copies_gib") for kind, f in zero3.items()}
+    if None in host.values() or None in copies.values():
+        return gpu + "."
+    return (f"{gpu}. What a save adds is host RAM. For Llama-3.1-8B with ZeRO-3 + offload, the model-only save "
+            f"(`save_only_model`) gathers the whole 16-bit model onto rank 0's host: {zero3['model'].quote(copies['model'])} "
+            f"on top of what training keeps there, {zero3['model'].quote(host['model'])} in all; the full save "
+            f"writes the offloaded optimizer state in place ({zero3['full'].quote(copies['full'])} of copies, "
+            f"{zero3['full'].quote(host['full'])} in all). So an OOM at the save after ZeRO-3 + offload training "
+            "is the host running out, and `save_only_model` makes it more likely, not less: a host that held training "
+            f"with less than {gib(copies['model'])} GiB to spare fails at the model save.")  # type: ignore[arg-type]
 
 
 def playbook(sources: Sources) -> list[str]:

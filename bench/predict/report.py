@@ -144,12 +144,31 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
               + (f" (median abs error {_median_max((measured_host['host_peak_gib'] - measured_host['host_rss_peak_gib']) / measured_host['host_rss_peak_gib'])})"  # noqa: E501
                  if len(measured_host) else "; the field case (Llama-3.1-8B, ZeRO-2 + Adam offload) is tested to "
                  "say `host_oom` on a 128 GiB host") + ".", ""]
+    lines += _saves(both, ok)
     if len(host):
-        lines += ["| cell | host GiB (predicted) | fits the host |", "|---|---|---|"]
-        lines += [f"| `{r['cell_id']}` | {r['host_peak_gib']:.1f} | {_host_verdict(r.get('host_fits'))} |"
-                  for _, r in host.sort_values("cell_id").iterrows()]
+        lines += ["| cell | host GiB (predicted) | during its save | fits the host |", "|---|---|---|---|"]
+        lines += [f"| `{r['cell_id']}` | {r['host_peak_gib']:.1f} | {_one_decimal(r.get('checkpoint_host_peak_gib'))} | "
+                  f"{_host_verdict(r.get('host_fits'))} |" for _, r in host.sort_values("cell_id").iterrows()]
         lines.append("")
     return lines
+
+
+def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
+    """Checkpoint saves: cells predicted, cells measured to check them, and the errors of the save's peak
+    reserved and of host RAM (measured: the run's RSS peak, which the save's copies set in these cells)."""
+    predicted = ok[ok["checkpoint_host_peak_gib"].notna()] if "checkpoint_host_peak_gib" in ok else ok.iloc[0:0]
+    column = "checkpoint_peak_reserved_gib_predicted"
+    measured = both[both[column].notna() & both["checkpoint_peak_reserved_gib"].notna()] if column in both \
+        else both.iloc[0:0]
+    line = (f"Checkpoint saves (`checkpoint_*` columns, bench/predict/save.py): {len(predicted)} cells predicted, "
+            f"{len(measured)} measured on a GPU to check them")
+    if len(measured):
+        reserved = (measured[column] - measured["checkpoint_peak_reserved_gib"]) / measured["checkpoint_peak_reserved_gib"]
+        host = (measured["checkpoint_host_peak_gib"] - measured["host_rss_peak_gib"]) / measured["host_rss_peak_gib"]
+        line += f" (save peak reserved, median / max abs error {_median_max(reserved)}; host RAM {_median_max(host)})"
+    else:
+        line += "; what each save copies is checked against real saves on a CPU (tests/test_predict.py)"
+    return [line + ".", ""]
 
 
 def _host_verdict(fits: object) -> str:
@@ -163,6 +182,10 @@ def _median_max(errors: pd.Series | None) -> str:
         return "–"
     errors = errors.dropna().abs()
     return f"{errors.median():.2%} / {errors.max():.2%}" if len(errors) else "no measured cell yet"
+
+
+def _one_decimal(x: object) -> str:
+    return f"{float(x):.1f}" if x is not None and not pd.isna(x) else ""  # type: ignore[arg-type]
 
 
 def _num(x: object) -> str:

@@ -124,14 +124,18 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
         "gpu_memory_gib": memory,
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "rerun_cmd": f"python -m bench predict {cell.matrix} --gpu {opts.gpu.key} --run-id {opts.run_id} "
-                     f"--only '{cell.cell_id}' --redo",
+                     f"--only '{cell.cell_id}' --redo" + "".join(
+                         f" --{flag} {value:g}" for flag, value in (("gpu-memory-gib", opts.gpu_memory_gib),
+                                                                    ("host-memory-gib", opts.host_memory_gib))
+                         if value is not None),
         **found,
     }
     peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
     if memory is not None and peak is not None:
         row["headroom_gib"] = memory - peak
-    if opts.host_memory_gib is not None and row.get("host_peak_gib") is not None:
-        row["host_fits"] = row["host_peak_gib"] <= opts.host_memory_gib
+    host = [row[c] for c in ("host_peak_gib", "checkpoint_host_peak_gib") if row.get(c) is not None]
+    if opts.host_memory_gib is not None and host:  # the cell's training and its save, if it saves
+        row["host_fits"] = max(host) <= opts.host_memory_gib
     results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
     report(cell, row)
     return row
