@@ -40,3 +40,23 @@ def test_a_measured_figure_wins_and_an_oom_gives_way_to_the_prediction_of_what_i
     assert sources.figure(oom_cell, number=True).quote() == "*90.0 GiB* (predicted)"  # not the 70 it reached
     assert sources.figure(predicted_only).cell() == "*40.0*"
     assert sources.figure(planned[3]).cell() == "–"
+
+
+def test_the_save_answer_says_what_a_save_adds_on_the_host_from_the_save_rows(tmp_path: Path) -> None:
+    """ZeRO-3 + offload, 8B: the model-only save's copies on top of training's host memory, the full
+    save's in place; the GPU side from the code's reading while no save is measured."""
+    results_dir = tmp_path / "results"
+    sources = scenarios.Sources(results_dir, REPO / "matrix.yaml")
+    rows = []
+    for matrix, copies in (("save8b", 0.0), ("save8b-model", 15.0)):
+        cell = next(c for c in sources.planned(matrix) if {"zero3", "offload"} <= set(c.stack.names))
+        rows.append({**_row(cell.cell_id, "ok", 6.0), "prediction_method": "hybrid/1", "peak_reserved_gib": 7.0,
+                     "checkpoint_peak_reserved_gib": 7.0, "checkpoint_host_copies_gib": copies,
+                     "checkpoint_host_peak_gib": 200.0 + copies})
+    results.write_parquet(rows, results_dir / "save8b" / "predicted" / "p.parquet", table=results.PREDICTED)
+    section = scenarios.markdown(scenarios.Sources(results_dir, REPO / "matrix.yaml")).split("## 4.")[1]
+    answer = section.split("**Answer:**")[1].split("\n")[0]
+    assert "*15.0 GiB* (predicted) on top of what training keeps there, *215.0 GiB* (predicted) in all" in answer
+    assert "*0.00 GiB* (predicted) of copies, *200.0 GiB* (predicted) in all" in answer
+    assert "a save allocates nothing new" in answer and "less than 15.0 GiB to spare" in answer
+    assert "| full | *7.00*† | *7.00*† | *200.0* | *0.00* |" in section
