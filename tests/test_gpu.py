@@ -202,3 +202,32 @@ def test_the_fake_run_allocates_what_the_4bit_matmul_allocates_on_cuda() -> None
     pytest.importorskip("bitsandbytes")
     torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's workspace made first
     assert _4bit_matmul_peak("fake") == pytest.approx(_4bit_matmul_peak("cuda"), abs=64 * 1024)
+
+
+def test_a_save_allocates_on_the_gpu_what_the_save_prediction_says(workdir: Path) -> None:
+    """Saves after the last step, measured on the GPU and predicted for it (bench/predict/save.py): the
+    save's peak allocated is what the last step left alive, and its reserved what training reserved."""
+    import importlib.util
+
+    zero = ", zero2, zero3" if importlib.util.find_spec("deepspeed") else ""
+    write_matrix(workdir, f"""
+    matrices:
+      full: {{device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2], stacks: [baseline, lora{zero}],
+             steps: {{warmup: 1, measure: 2}}, checkpoint: full}}
+      model: {{device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2], stacks: [baseline, lora{zero}],
+              steps: {{warmup: 1, measure: 2}}, checkpoint: model}}
+    """)
+    for matrix in ("full", "model"):
+        for command in ("run", "predict"):
+            proc = run_bench(workdir, command, matrix, "--run-id", f"{command}-{matrix}",
+                             *(("--gpu", "h100") if command == "predict" else ()))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        predicted = raw_rows(workdir, f"predict-{matrix}")
+        for cell_id, row in raw_rows(workdir, f"run-{matrix}").items():
+            assert row["status"] == "ok", row["error"]
+            guess = predicted[cell_id]
+            assert guess["status"] == "ok", guess.get("error")
+            mib = 2**20 / 2**30
+            assert row["checkpoint_peak_allocated_gib"] == pytest.approx(guess["checkpoint_peak_allocated_gib"],
+                                                                        abs=mib), cell_id
+            assert row["checkpoint_peak_reserved_gib"] <= row["peak_reserved_gib"] + mib, cell_id
