@@ -21,6 +21,7 @@ import resource
 import statistics
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 GIB = 2**30
@@ -63,6 +64,12 @@ def flops_per_token(model: Any, seq_len: int) -> float:
 
 def host_rss_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
+def host_rss_now_gib() -> float:
+    """The process's resident memory now (Linux: /proc/self/statm, in pages)."""
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * resource.getpagesize() / GIB
 
 
 def storage_tensors(tensors: Iterable[Any]) -> Iterator[Any]:

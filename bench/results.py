@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 6  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
+SCHEMA_VERSION = 7  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
 # 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked),
-# the phase timeline and the step trace
+# the phase timeline and the step trace; 7: host RSS around the checkpoint save
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -78,6 +78,10 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("checkpoint_peak_reserved_gib", "float", "peak reserved during the checkpoint save (not in peak_*), GiB"),
     ("checkpoint_s", "float", "wall time of the checkpoint save, s"),
     ("checkpoint_disk_gib", "float", "size of the saved checkpoint on disk, GiB"),
+    ("checkpoint_host_rss_before_gib", "float", "resident memory of the worker when the save began, GiB"),
+    ("checkpoint_host_rss_peak_gib", "float", "peak resident memory of the worker during the save, where the save set "
+                                              "the process's peak (getrusage keeps only the maximum: empty where the "
+                                              "save stayed below the peak training had set), GiB"),
     ("nvml_peak_gib", "float", "device used memory peak (NVML, 10 ms sampling) minus the used memory before CUDA started, GiB"),
     ("host_rss_peak_gib", "float", "peak resident memory of the worker process, GiB"),
     ("alloc_retries", "int", "allocator retries (cudaMalloc failed, cache flushed, retried)"),

@@ -53,7 +53,10 @@ class Figure:
         """`**12.34**` measured, `*12.34*` predicted (`> card` where it cannot fit), OOM, n/p or –."""
         if self.source == "measured":
             status = self.row["status"] if self.row else ""
-            return f"**{_gib(self.gib(column))}**" if status == "ok" else f"**{str(status).upper()}**"
+            if status != "ok":
+                return f"**{str(status).upper()}**"
+            shown = _gib(self.gib(column))
+            return f"**{shown}**" if shown else ""  # a column this row does not have
         if self.source == "predicted":
             value = self.gib(column)
             over = " > card" if value is not None and value > float(CARD.memory_gib or 0) else ""
@@ -325,8 +328,8 @@ def saves(sources: Sources) -> list[str]:
              "(model + optimizer) or the model only (`save_only_model`: ZeRO-3 gathers its 16-bit weights). Measured "
              "on a GPU where run; else predicted (bench/predict/save.py: what each save path copies, read from its "
              "code and checked against real saves on a CPU; no save has been measured on a GPU to check it yet). "
-             "Host: measured, the worker's RSS peak over the whole run; predicted, RAM during the save (workers, "
-             "offloaded state, the save's copies).", "",
+             "Host: measured, the worker's RSS peak during the save where the save set it (else at most the run's "
+             "peak); predicted, RAM during the save (workers, offloaded state, the save's copies).", "",
              "| cell | saved | training peak reserved GiB | save peak reserved GiB | host GiB during the save | "
              "of which the save's copies | save s | on disk GiB |", "|---|---|---|---|---|---|---|---|"]
     figures = {cell: sources.figure(cell) for matrix in SAVE_MATRICES for cell in sources.planned(matrix)}
@@ -335,13 +338,30 @@ def saves(sources: Sources) -> list[str]:
             lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {figure.cell()} | | | | | |")
             continue
         r = figure.row
-        host = r.get("host_rss_peak_gib") if figure.source == "measured" else r.get("checkpoint_host_peak_gib")
+        host, copies = _save_host_cells(figure)
         lines.append(f"| `{cell.cell_id}` | {cell.checkpoint} | {figure.cell('peak_reserved_gib')} | "
-                     f"{figure.cell('checkpoint_peak_reserved_gib')} | {_marked(figure, _gib(host))} | "
-                     f"{_marked(figure, _gib(r.get('checkpoint_host_copies_gib')))} | "
+                     f"{figure.cell('checkpoint_peak_reserved_gib')} | {_marked(figure, host)} | "
+                     f"{_marked(figure, copies)} | "
                      f"{_marked(figure, _seconds(r.get('checkpoint_s')))} | "
                      f"{_marked(figure, _gib(r.get('checkpoint_disk_gib')))} |")
     return [*lines, "", "**Answer:** " + _save_answer(sources, figures), ""]
+
+
+def _save_host(figure: Figure) -> tuple[float | None, float | None]:
+    """Host RAM during the save, and what the save added to it: predicted, or measured where the save
+    set the worker's RSS peak (else unknown: the save stayed below the peak training had set)."""
+    if figure.source == "predicted":
+        return figure.gib("checkpoint_host_peak_gib"), figure.gib("checkpoint_host_copies_gib")
+    peak, before = figure.gib("checkpoint_host_rss_peak_gib"), figure.gib("checkpoint_host_rss_before_gib")
+    return peak, (peak - before if peak is not None and before is not None else None)
+
+
+def _save_host_cells(figure: Figure) -> tuple[str, str]:
+    """The table's two host entries; a measured save below training's peak: at most the run's peak."""
+    host, copies = _save_host(figure)
+    if host is None and figure.source == "measured" and figure.gib("host_rss_peak_gib") is not None:
+        return f"≤ {_gib(figure.gib('host_rss_peak_gib'))}", ""
+    return _gib(host), _gib(copies)
 
 
 def _marked(figure: Figure, text: str) -> str:
@@ -370,9 +390,8 @@ def _save_answer(sources: Sources, figures: dict[cells.Cell, Figure]) -> str:
              if c.model == "llama-3.1-8b" and {"zero3", "offload"} <= set(c.stack.names)}
     if set(zero3) != {"model", "full"}:
         return gpu + "."
-    host = {kind: f.gib("checkpoint_host_peak_gib" if f.source == "predicted" else "host_rss_peak_gib")
-            for kind, f in zero3.items()}
-    copies = {kind: f.gib("checkpoint_host_copies_gib") for kind, f in zero3.items()}
+    host = {kind: _save_host(f)[0] for kind, f in zero3.items()}
+    copies = {kind: _save_host(f)[1] for kind, f in zero3.items()}
     if None in host.values() or None in copies.values():
         return gpu + "."
     return (f"{gpu}. What a save adds is host RAM. For Llama-3.1-8B with ZeRO-3 + offload, the model-only save "

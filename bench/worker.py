@@ -203,6 +203,9 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
     }
 
 
+RSS_NOISE_GIB = 16 / 1024  # resident-set counters lag by up to 64 pages per thread
+
+
 def _checkpoint(engine: Engine, kind: str, tracker: measure.PhaseTracker, cuda: bool) -> dict[str, Any]:
     """Saves after the last step into a temporary folder ($BENCH_CHECKPOINT_DIR, else the system's),
     measured as the 'checkpoint/save' phase; the files are deleted afterwards."""
@@ -211,6 +214,7 @@ def _checkpoint(engine: Engine, kind: str, tracker: measure.PhaseTracker, cuda: 
     with _checkpoint_dir() as tmp:
         if cuda:
             torch.cuda.synchronize()
+        rss_before_gib, rss_peak_before_gib = measure.host_rss_now_gib(), measure.host_rss_peak_gib()
         tracker.enter("checkpoint/save")
         start = time.perf_counter()
         engine.save(kind, Path(tmp))
@@ -218,8 +222,12 @@ def _checkpoint(engine: Engine, kind: str, tracker: measure.PhaseTracker, cuda: 
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tracker.close()
+        rss_peak_gib = measure.host_rss_peak_gib()
         disk_gib = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / GIB
-    return {"checkpoint_s": seconds, "checkpoint_disk_gib": disk_gib}
+    return {"checkpoint_s": seconds, "checkpoint_disk_gib": disk_gib, "checkpoint_host_rss_before_gib": rss_before_gib,
+            # only a peak the save set is the save's (getrusage keeps the process's maximum); Linux syncs each
+            # thread's RSS count in batches, so a rise within RSS_NOISE_GIB is no evidence
+            "checkpoint_host_rss_peak_gib": rss_peak_gib if rss_peak_gib > rss_peak_before_gib + RSS_NOISE_GIB else None}
 
 
 @contextlib.contextmanager

@@ -54,9 +54,18 @@ def test_the_save_answer_says_what_a_save_adds_on_the_host_from_the_save_rows(tm
                      "checkpoint_peak_reserved_gib": 7.0, "checkpoint_host_copies_gib": copies,
                      "checkpoint_host_peak_gib": 200.0 + copies})
     results.write_parquet(rows, results_dir / "save8b" / "predicted" / "p.parquet", table=results.PREDICTED)
+    below, above = sources.planned("save3b")[:2]  # measured: one save below training's RSS peak, one above
+    results.write_parquet([
+        {**_row(below.cell_id, "ok", 30.0), "host_rss_peak_gib": 5.0, "checkpoint_host_rss_before_gib": 4.0,
+         "peak_reserved_gib": 31.0, "checkpoint_peak_reserved_gib": 31.0},
+        {**_row(above.cell_id, "ok", 10.0), "host_rss_peak_gib": 9.0, "checkpoint_host_rss_before_gib": 4.0,
+         "checkpoint_host_rss_peak_gib": 9.0}], results_dir / "save3b" / "runs" / "r.parquet")
     section = scenarios.markdown(scenarios.Sources(results_dir, REPO / "matrix.yaml")).split("## 4.")[1]
     answer = section.split("**Answer:**")[1].split("\n")[0]
     assert "*15.0 GiB* (predicted) on top of what training keeps there, *215.0 GiB* (predicted) in all" in answer
     assert "*0.00 GiB* (predicted) of copies, *200.0 GiB* (predicted) in all" in answer
-    assert "a save allocates nothing new" in answer and "less than 15.0 GiB to spare" in answer
+    assert "less than 15.0 GiB to spare" in answer
     assert "| full | *7.00*† | *7.00*† | *200.0* | *0.00* |" in section
+    assert f"| `{below.cell_id}` | full | **31.0** | **31.0** | **≤ 5.00** |  |" in section
+    assert f"| `{above.cell_id}` | full |  |  | **9.00** | **5.00** |" in section  # no reserved in this row
+    assert "the save reserved at most **0.00 GiB** (measured) more than training over 1 measured save cells" in section

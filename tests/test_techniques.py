@@ -260,6 +260,19 @@ matrices:
 """
 
 
+def test_resident_memory_now_follows_what_the_process_touches() -> None:
+    import torch
+
+    from bench import measure
+
+    before = measure.host_rss_now_gib()
+    block = torch.ones(256 * 2**20, dtype=torch.uint8)  # 256 MiB, every page written
+    grown = measure.host_rss_now_gib() - before
+    del block
+    assert 0.2 < grown < 0.3
+    assert measure.host_rss_peak_gib() >= before + grown - 0.01
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_checkpoint_save_is_measured(workdir: Path) -> None:
@@ -275,6 +288,8 @@ def test_checkpoint_save_is_measured(workdir: Path) -> None:
         for row in raw_rows(workdir, matrix).values():
             assert row["status"] == "ok", row["error"]
             assert row["checkpoint"] == matrix.removeprefix("save_") and row["checkpoint_s"] > 0
+            before, peak = row["checkpoint_host_rss_before_gib"], row["checkpoint_host_rss_peak_gib"]
+            assert 0.1 < before <= row["host_rss_peak_gib"] + 0.01 and (peak is None or peak >= before)
             disk[(matrix, row["stack"])] = row["checkpoint_disk_gib"]
     assert disk[("save_model", "baseline")] == pytest.approx(disk[("save_model", "zero3")], rel=0.05)
     assert disk[("save_model", "lora")] < 0.5 * disk[("save_model", "baseline")]  # adapters only

@@ -155,7 +155,7 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
 
 def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
     """Checkpoint saves: cells predicted, cells measured to check them, and the errors of the save's peak
-    reserved and of host RAM (measured: the run's RSS peak, which the save's copies set in these cells)."""
+    reserved and of host RAM (measured: the worker's RSS peak during the save, where the save set it)."""
     predicted = ok[ok["checkpoint_host_peak_gib"].notna()] if "checkpoint_host_peak_gib" in ok else ok.iloc[0:0]
     column = "checkpoint_peak_reserved_gib_predicted"
     measured = both[both[column].notna() & both["checkpoint_peak_reserved_gib"].notna()] if column in both \
@@ -164,7 +164,8 @@ def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
             f"{len(measured)} measured on a GPU to check them")
     if len(measured):
         reserved = (measured[column] - measured["checkpoint_peak_reserved_gib"]) / measured["checkpoint_peak_reserved_gib"]
-        host = (measured["checkpoint_host_peak_gib"] - measured["host_rss_peak_gib"]) / measured["host_rss_peak_gib"]
+        rss = measured["checkpoint_host_rss_peak_gib"]  # where the save set the process's peak
+        host = (measured["checkpoint_host_peak_gib"] - rss) / rss
         line += f" (save peak reserved, median / max abs error {_median_max(reserved)}; host RAM {_median_max(host)})"
     else:
         line += "; what each save copies is checked against real saves on a CPU (tests/test_predict.py)"
