@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     fit_p.add_argument("--predict", action="store_true",
                        help="the frontier from predictions alone (bench predict's fake runs), on any machine")
     fit_p.add_argument("--gpu", default="h100", help="with --predict: the GPU kind predicted for (default h100)")
+    fit_p.add_argument("--host-memory-gib", type=float,
+                       help="with --predict: the host's RAM, GiB; a probe whose predicted host RAM exceeds it is "
+                            "host_oom, which stops its search")
     fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
@@ -343,6 +346,8 @@ def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
         raise spec.SpecError("--budgets must be positive, --max-batch >= 1, --max-seq >= --seq-step >= 1")
     if matrix.gpus != (1,):
         raise spec.SpecError(f"matrix {matrix.name}: bench fit searches one-GPU cells; remove its gpus: {list(matrix.gpus)}")
+    if args.host_memory_gib is not None and not (args.predict and args.host_memory_gib > 0):
+        raise spec.SpecError("--host-memory-gib judges predicted probes: it needs --predict and a positive GiB")
     return matrix, fit.FitPlan(budgets, args.max_batch, args.seq_step, args.max_seq)
 
 
@@ -351,7 +356,7 @@ def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.
     gpu = _gpu_kind(args.gpu)
     on_gpu = dataclasses.replace(matrix, device="cuda")
     run_id = args.run_id or f"fit-{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
-    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, None)
+    opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, None, host_memory_gib=args.host_memory_gib)
     probes = fit.PredictedProbes(on_gpu, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
     summary = fit.FrontierRun(on_gpu, probes.host, plan, probes).all()
     board = fitreport.publish_predicted(summary, list(probes.predicted.values()),

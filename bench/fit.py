@@ -138,7 +138,10 @@ class PredictedProbes:
                                                                                  self.report))
         found = self.predicted[plain.cell_id]
         status = found["status"]
-        if status == "ok":
+        host_gib, limit_gib = predict_runner.host_needed_gib(found), self.opts.host_memory_gib
+        if status == "ok" and host_gib is not None and limit_gib is not None and host_gib > limit_gib:
+            status = "host_oom"  # --host-memory-gib: the host runs out, whatever the GPU's budget
+        elif status == "ok":
             needed = found.get("device_peak_gib") or found["peak_allocated_gib"]
             status = "ok" if needed <= (cell.budget_gib or float("inf")) else "oom"
         self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}

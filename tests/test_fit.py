@@ -147,6 +147,24 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     assert board.startswith("# PREDICTED: fits on my GPU") and "compile: inductor" in board
 
 
+@pytest.mark.timeout(600)
+def test_a_predicted_fit_stops_where_the_host_runs_out(workdir) -> None:
+    """With --host-memory-gib, a probe whose predicted host RAM (activation offload's pinned copies, one
+    worker process) exceeds it is host_oom: the search stops there and says so. Without --predict the
+    flag is refused."""
+    from conftest import run_bench, write_matrix
+
+    write_matrix(workdir, PREDICTED_FIT.replace("[baseline, compile]", "[activation_offload]"))
+    args = ("fit", "f", "--budgets", "80", "--max-batch", "4", "--seq-step", "64", "--max-seq", "128")
+    refused = run_bench(workdir, *args, "--host-memory-gib", "1")
+    assert refused.returncode == 2 and "--host-memory-gib" in refused.stderr
+    proc = run_bench(workdir, *args, "--predict", "--host-memory-gib", "1", "--run-id", "fh")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = pd.read_parquet(workdir / "results" / "f" / "fit" / "fh.parquet").set_index("axis")
+    assert summary.loc["batch", "stopped"].startswith("host_oom at")  # one worker process alone needs 1.53 GiB
+    assert pd.isna(summary.loc["batch", "largest_ok"])
+
+
 def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
     """unsloth8b's boards quote Unsloth's table (their recipes, their numbers, their page and the date
     read) with our longest sequence per stack at the budget of the same number: a length where one

@@ -128,7 +128,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "step_tflop": None if set(cell.stack.names) & UNCOUNTED_FLOPS else counter.steps[-1].flops / 1e12,
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
-        **_host(counter),
+        **_host(cell, counter),
     }
 
 
@@ -142,11 +142,13 @@ def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib
                         counter.steps[-1].live_bytes / measure.GIB, reserved_gib, host_gib)
 
 
-def _host(counter: MemoryCounter) -> dict[str, Any]:
-    """Where the step pins host memory (activation offload): its peak, plus one worker process."""
-    if not counter.host_peak_bytes:
+def _host(cell: Cell, counter: MemoryCounter) -> dict[str, Any]:
+    """Where the step pins host memory (activation offload, FSDP's CPU offload): the cell's ranks on one
+    host, each its pinned peak (rank 0's: FSDP shards evenly) and its worker process; an offload stack
+    that pinned nothing this time still needs its workers."""
+    if not counter.host_peak_bytes and not {"activation_offload", "offload"} & set(cell.stack.names):
         return {}
-    return {"host_peak_gib": counter.host_peak_bytes / measure.GIB + hybrid.WORKER_PROCESS_GIB}
+    return {"host_peak_gib": cell.gpus * (counter.host_peak_bytes / measure.GIB + hybrid.WORKER_PROCESS_GIB)}
 
 
 def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:

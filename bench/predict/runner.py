@@ -133,9 +133,15 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
     peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
     if memory is not None and peak is not None:
         row["headroom_gib"] = memory - peak
-    host = [row[c] for c in ("host_peak_gib", "checkpoint_host_peak_gib") if row.get(c) is not None]
-    if opts.host_memory_gib is not None and host:  # the cell's training and its save, if it saves
-        row["host_fits"] = max(host) <= opts.host_memory_gib
+    host = host_needed_gib(row)
+    if opts.host_memory_gib is not None and host is not None:
+        row["host_fits"] = host <= opts.host_memory_gib
     results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
     report(cell, row)
     return row
+
+
+def host_needed_gib(row: dict[str, Any]) -> float | None:
+    """The host RAM a predicted cell needs: its training's, or its save's if more; None where not predicted."""
+    host = [row[c] for c in ("host_peak_gib", "checkpoint_host_peak_gib") if row.get(c) is not None]
+    return max(host) if host else None
