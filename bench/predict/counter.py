@@ -295,14 +295,14 @@ class MemoryCounter(TorchDispatchMode):
         before, self.where = self.where, where
         if where.endswith("/forward"):
             if before.endswith("/optimizer"):
-                self._mark(self.after_step(), "optimizer_state")
+                self.mark(self.after_step(), "optimizer_state")
             self._forward_start = len(self.records)
         elif where.endswith("/backward") and before.endswith("/forward"):
             for record in self.records[self._forward_start:]:
                 if record.freed is None and record.role is None:
                     record.role = "activation"
         elif where.endswith("/optimizer"):
-            self._mark((p.grad for p in self.on_optimizer() if p.grad is not None), "gradient")
+            self.mark((p.grad for p in self.on_optimizer() if p.grad is not None), "gradient")
 
     def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
         """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""
@@ -314,13 +314,14 @@ class MemoryCounter(TorchDispatchMode):
         self._settle()
         self.phase_ends[self.where] = self.live_bytes
         if self.where.endswith("/optimizer"):
-            self._mark(self.after_step(), "optimizer_state")
+            self.mark(self.after_step(), "optimizer_state")
         self.where = "done"
         # Let go of the model and optimizer: the finalizers (held globally) reach this counter, so a
         # counter that kept them would keep every cell's tensors alive for the process's life.
         self.on_optimizer = self.after_step = tuple
 
-    def _mark(self, tensors: Iterable[Any], role: str) -> None:
+    def mark(self, tensors: Iterable[Any], role: str) -> None:
+        """The role of the records holding these tensors, where none is known yet."""
         for tensor in storage_tensors(tensors):
             index = self._record_of.get(tensor.untyped_storage())
             if index is not None and self.records[index].role is None:

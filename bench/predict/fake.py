@@ -84,7 +84,7 @@ def unsupported_reason(cell: Cell) -> str | None:
         return hybrid.unsupported_reason(cell)
     if cell.gpus > 1 and not _fake_group_engine(cell):
         return f"{cell.gpus} ranks: only FSDP2's and DDP's ranks are simulated (fake process group)"
-    return save.unsupported_reason(cell)
+    return None
 
 
 def _fake_group_engine(cell: Cell) -> bool:
@@ -138,8 +138,9 @@ def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib
     if cell.checkpoint == "none":
         return {}
     host_gib = cell.gpus * hybrid.WORKER_PROCESS_GIB + counter.apart_live_bytes["host"] / measure.GIB
-    return save.columns(save.plain_host_copy_bytes(cell.checkpoint, counter, built.model),
-                        counter.steps[-1].live_bytes / measure.GIB, reserved_gib, host_gib)
+    cost = save.engine_cost(cell, counter, built.model)
+    return save.columns(cost.host_bytes, (counter.steps[-1].live_bytes + cost.gpu_bytes) / measure.GIB, reserved_gib,
+                        host_gib)
 
 
 def _host(cell: Cell, counter: MemoryCounter) -> dict[str, Any]:
@@ -229,6 +230,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter, fake: bool) -> float:
     """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
     job = trainer.wrap(cell, built)
+    counter.mark(job.engine.model.parameters(), "weight")  # an engine's own copies of them (FSDP2's shards)
     if fake:  # a fake group's all-reduce returns nothing (bench/predict/ddp.py)
         ddp.reduce_in_place(job.engine.model)
     counter.on_optimizer = job.engine.model.parameters

@@ -21,19 +21,24 @@ What the host holds at once, besides what training keeps there:
   a host copy of each module's gathered weights).
 - ZeRO-3, `full`: the largest fp32 sub-group partition (at most about `sub_group_size` elements;
   in place where offloaded); the module's own file holds empty placeholders.
+- FSDP2, `full` (torch.distributed.checkpoint): each rank copies its shards to the host one tensor
+  at a time, copying up to 10 MB ahead: every rank its largest shard, at once.
+- FSDP2, `model` (a full state dict offloaded to the CPU): each parameter is gathered whole on the
+  GPU (`full_tensor`), copied to rank 0's host and dropped: the GPU holds the largest parameter
+  whole, the host the whole model in the sharded parameters' dtype (fp32 with `precision=mixed`).
 
 tests/test_predict.py checks these sizes against what real saves on the CPU hand torch.save and
 safetensors (tests/save_spy.py).
 
-On the GPU a save allocates nothing in these paths but ZeRO-3's gather of one module at a time,
-which training gathers every step already (DeepSpeed's estimate keeps room for the largest layer):
-the save's GPU peak is what is alive after the last step, and the allocator's cache keeps what
-training reserved. FSDP2's distributed checkpoint is not modelled.
+On the GPU a save allocates nothing in these paths but the gathers: ZeRO-3's of one module at a
+time, which training gathers every step already (DeepSpeed's estimate keeps room for the largest
+layer), and FSDP2's model save, one whole parameter at a time. The save's GPU peak is what is alive
+after the last step plus that, and the allocator's cache keeps what training reserved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import measure
@@ -45,32 +50,47 @@ ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size` (th
 BF16_BYTES, FP32_BYTES = 2, 4
 
 
-def unsupported_reason(cell: Cell) -> str | None:
-    if cell.checkpoint == "none":
-        return None
+DCP_COPY_AHEAD_BYTES = 10_000_000  # FileSystemWriter's per_thread_copy_ahead on a GPU
+
+
+@dataclass(frozen=True)
+class SaveCost:
+    """What a save adds to what the last step left: on the host at once (all ranks), and on the GPU."""
+
+    host_bytes: int
+    gpu_bytes: int = 0
+
+
+def engine_cost(cell: Cell, counter: MemoryCounter, model: Any) -> SaveCost:
+    """The save of an engine the fake run ran (plain, DDP's rank 0, FSDP2), from its tensors."""
+    shards = [r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role in ("weight", "optimizer_state")]
     if "fsdp" in cell.stack.names:
-        return "checkpoint save: FSDP2's distributed checkpoint (torch.distributed.checkpoint) is not modelled yet"
-    return None
+        return _fsdp(cell, shards, model)
+    if cell.checkpoint == "full":  # torch.save: one storage at a time
+        return SaveCost(max(shards, default=0))
+    return SaveCost(sum(t.untyped_storage().nbytes() for t in _exported(model)))
 
 
-def plain_host_copy_bytes(kind: str, counter: MemoryCounter, model: Any) -> int:
-    """The plain engine's save (DDP's rank 0 saves the same), from the fake run: `full` torch.saves the
-    model's and the optimizer's state, so the largest storage alive after the last step among weights
-    and optimizer state; `model` writes the exported weights, all at once."""
-    if kind == "full":
-        alive = counter.alive_at(counter.steps[-1].event)
-        return max((r.nbytes for r in alive if r.role in ("weight", "optimizer_state")), default=0)
-    return sum(t.untyped_storage().nbytes() for t in _exported(model))
+def _fsdp(cell: Cell, shards: list[int], model: Any) -> SaveCost:
+    """FSDP2: `full` writes every rank's shards one at a time; `model` gathers each parameter whole
+    (the counter counts one rank's shards; a DTensor's numel is the whole parameter's)."""
+    if cell.checkpoint == "full":
+        largest = max(shards, default=0)
+        return SaveCost(cell.gpus * min(largest + DCP_COPY_AHEAD_BYTES, sum(shards)))
+    whole = [t.numel() * t.element_size() for t in _state(model)]  # all of it, adapters or not
+    return SaveCost(sum(whole), max(whole, default=0))
 
 
-def _exported(model: Any) -> Iterable[Any]:
-    """What save_pretrained writes: a PEFT model's adapters (its trainable tensors), else every
-    parameter and persistent buffer, a tied weight once."""
+def _exported(model: Any) -> list[Any]:
+    """What save_pretrained writes: a PEFT model's adapters (its trainable tensors), else the state."""
     if hasattr(model, "peft_config"):
-        tensors = [p for p in model.parameters() if p.requires_grad]
-    else:
-        tensors = list(model.state_dict(keep_vars=True).values())
-    return list({id(t): t for t in tensors}.values())
+        return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    return _state(model)
+
+
+def _state(model: Any) -> list[Any]:
+    """Every parameter and persistent buffer of the model's state dict, a tied weight once."""
+    return list({id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
 
 
 def zero_host_copy_bytes(cell: Cell, params: list[int]) -> int:
