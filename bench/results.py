@@ -183,8 +183,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("host_fits", "bool", "PREDICTED host_peak_gib and checkpoint_host_peak_gib <= the host's RAM (--host-memory-gib); "
                           "False: expect host_oom"),
     ("checkpoint_peak_allocated_gib", "float", "PREDICTED allocated during the checkpoint save: what the last step "
-                                               "left alive (bench/predict/save.py: the saves modelled allocate "
-                                               "nothing new on the GPU beyond what training gathers), GiB"),
+                                               "left alive, plus the one parameter FSDP2's model save gathers whole "
+                                               "(bench/predict/save.py: no other save path modelled allocates on "
+                                               "the GPU beyond what training gathers), GiB"),
     ("checkpoint_peak_reserved_gib", "float", "PREDICTED reserved during the save: what training reserved (the "
                                               "cache is kept), GiB"),
     ("checkpoint_host_copies_gib", "float", "PREDICTED host memory the save holds at once: its copies of GPU "

@@ -2,7 +2,8 @@
 
 A save computes nothing; it copies. What each save path copies, and where to, is read from its
 code (torch 2.11-2.13, safetensors 0.8, transformers 5, DeepSpeed 0.19) and sized from the cell's
-own tensors: the fake run's (plain engine, DDP) or the parameter counts the hybrid uses (ZeRO).
+own tensors: the fake run's (plain engine, DDP, FSDP2) or the parameter counts the hybrid uses
+(ZeRO).
 
 What the host holds at once, besides what training keeps there:
 
@@ -45,12 +46,9 @@ from .. import measure
 from ..cells import Cell
 from .counter import MemoryCounter
 
-KINDS = ("model", "full")
 ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size` (the suite sets none)
+DCP_COPY_AHEAD_BYTES = 10_000_000  # torch.distributed.checkpoint's FileSystemWriter: per_thread_copy_ahead
 BF16_BYTES, FP32_BYTES = 2, 4
-
-
-DCP_COPY_AHEAD_BYTES = 10_000_000  # FileSystemWriter's per_thread_copy_ahead on a GPU
 
 
 @dataclass(frozen=True)
@@ -125,13 +123,15 @@ def _sub_groups(params: list[int], ranks: int, sub_group_size: int) -> list[int]
     return [*groups, size] if size else groups
 
 
-def columns(host_copy_bytes: int, after_step_allocated_gib: float, reserved_gib: float | None,
+def columns(host_copy_bytes: int, gpu_allocated_gib: float, reserved_gib: float | None,
             host_before_gib: float) -> dict[str, Any]:
-    """The predicted checkpoint_* columns: the GPU as the last step left it, the host plus the copies."""
+    """The predicted checkpoint_* columns: on the GPU, what the last step left alive plus the save's
+    gathers (`gpu_allocated_gib`) within what training reserved; on the host, what was there plus the
+    save's copies."""
     copies_gib = host_copy_bytes / measure.GIB
     return {
-        "checkpoint_peak_allocated_gib": after_step_allocated_gib,
-        "checkpoint_peak_reserved_gib": max(reserved_gib or 0.0, after_step_allocated_gib),
+        "checkpoint_peak_allocated_gib": gpu_allocated_gib,
+        "checkpoint_peak_reserved_gib": max(reserved_gib or 0.0, gpu_allocated_gib),
         "checkpoint_host_copies_gib": copies_gib,
         "checkpoint_host_peak_gib": host_before_gib + copies_gib,
     }
