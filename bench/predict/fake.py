@@ -133,8 +133,8 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 
 def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib: float) -> dict[str, Any]:
-    """A checkpoint save after the last step (bench/predict/save.py): the GPU as the step left it;
-    on the host, the worker processes, pinned memory still held, and the save's copies."""
+    """A checkpoint save after the last step (bench/predict/save.py): the GPU as the step left it plus
+    the save's gathers; on the host, the worker processes, pinned memory still held, the save's copies."""
     if cell.checkpoint == "none":
         return {}
     host_gib = cell.gpus * hybrid.WORKER_PROCESS_GIB + counter.apart_live_bytes["host"] / measure.GIB
@@ -144,9 +144,9 @@ def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib
 
 
 def _host(cell: Cell, counter: MemoryCounter) -> dict[str, Any]:
-    """Where the step pins host memory (activation offload, FSDP's CPU offload): the cell's ranks on one
-    host, each its pinned peak (rank 0's: FSDP shards evenly) and its worker process; an offload stack
-    that pinned nothing this time still needs its workers."""
+    """Where the step pins host memory (activation offload): the cell's ranks on one host, each its
+    pinned peak (rank 0's stands for each) and its worker process; an offload stack that pinned nothing
+    this time still needs its workers."""
     if not counter.host_peak_bytes and not {"activation_offload", "offload"} & set(cell.stack.names):
         return {}
     return {"host_peak_gib": cell.gpus * (counter.host_peak_bytes / measure.GIB + hybrid.WORKER_PROCESS_GIB)}
