@@ -394,13 +394,16 @@ def _save_answer(sources: Sources, figures: dict[cells.Cell, Figure]) -> str:
     copies = {kind: _save_host(f)[1] for kind, f in zero3.items()}
     if None in host.values() or None in copies.values():
         return gpu + "."
+    model_copies, full_copies = float(copies["model"] or 0), float(copies["full"] or 0)
+    verdict = "more likely, not less" if model_copies > full_copies else "no more likely"
+    worst = max(model_copies, full_copies)
     return (f"{gpu}. What a save adds is host RAM. For Llama-3.1-8B with ZeRO-3 + offload, the model-only save "
             f"(`save_only_model`) gathers the whole 16-bit model onto rank 0's host: {zero3['model'].quote(copies['model'])} "
             f"on top of what training keeps there, {zero3['model'].quote(host['model'])} in all; the full save "
             f"writes the offloaded optimizer state in place ({zero3['full'].quote(copies['full'])} of copies, "
             f"{zero3['full'].quote(host['full'])} in all). So an OOM at the save after ZeRO-3 + offload training "
-            "is the host running out, and `save_only_model` makes it more likely, not less: a host that held training "
-            f"with less than {gib(copies['model'])} GiB to spare fails at the model save.")  # type: ignore[arg-type]
+            f"is the host running out, and `save_only_model` makes it {verdict}: a host that held training with less "
+            f"than {gib(worst)} GiB to spare fails at the save.")
 
 
 def playbook(sources: Sources) -> list[str]:
