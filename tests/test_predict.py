@@ -18,6 +18,7 @@ from bench import spec
 from bench.cells import make_cell
 from bench.predict import fake, gpus
 from bench.predict.counter import BLOCK_BYTES, MemoryCounter, Workspaces
+from bench.predict.pinned import PinnedHostCache, block_bytes
 from bench.stacks import parse_stack
 from conftest import REPO, run_bench, write_matrix
 
@@ -37,6 +38,46 @@ def test_counter_counts_storages_once_rounded_to_blocks_and_frees_them() -> None
         assert counter.live_bytes == 2 * BLOCK_BYTES
         del b
     assert counter.live_bytes == 0 and counter.peak.nbytes == 3 * BLOCK_BYTES and len(counter.records) == 2
+
+
+def test_a_storage_resized_to_nothing_is_freed_and_resized_back_is_allocated_again() -> None:
+    """FSDP frees a unit's gathered parameters by resizing their storage to 0 and gathers into it again:
+    on a GPU a free and an allocation, though the tensor lives on."""
+    import torch
+
+    with MemoryCounter() as counter:
+        gathered = torch.empty(4 * BLOCK_BYTES, dtype=torch.uint8)
+        gathered.untyped_storage().resize_(0)
+        assert counter.live_bytes == 0
+        gathered.untyped_storage().resize_(2 * BLOCK_BYTES)
+        assert counter.live_bytes == 2 * BLOCK_BYTES
+        del gathered
+    assert counter.live_bytes == 0 and counter.peak.nbytes == 4 * BLOCK_BYTES
+    assert [r.nbytes for r in counter.records] == [4 * BLOCK_BYTES, 2 * BLOCK_BYTES]
+
+
+def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> None:
+    """PyTorch's CachingHostAllocator: a request rounded up to a power of two, a freed block reused by
+    the next request of its size and never given back (bench/predict/pinned.py)."""
+    import torch
+
+    mib = 2**20
+    cache = PinnedHostCache()
+    assert cache.allocate(24 * mib) == 32 * mib
+    cache.release(32 * mib)
+    assert cache.allocate(20 * mib) == 32 * mib and cache.created_bytes == 32 * mib  # the cached block
+    assert cache.allocate(33 * mib) == 64 * mib and cache.created_bytes == 96 * mib  # a new one
+    with MemoryCounter() as counter:
+        with counter.apart("pinned"):
+            first = torch.empty(3 * mib, dtype=torch.uint8)
+        with counter.apart("pageable"):
+            state = torch.empty(3 * mib, dtype=torch.uint8)
+        del first
+        with counter.apart("pinned"):
+            second = torch.empty(4 * mib, dtype=torch.uint8)  # the first one's block
+        assert counter.host_bytes == 4 * mib + 3 * mib and counter.live_bytes == 0
+        del second, state
+    assert counter.host_bytes == 4 * mib and counter.host_peak_bytes == 7 * mib
 
 
 @pytest.mark.parametrize("stack", ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum", "padding",
@@ -68,13 +109,14 @@ def _counted_on_gloo(rank: int, world: int, port: int, stack: str, queue) -> Non
     distributed.mesh("cpu")  # made before the counter, as the fake run makes it (a GPU run keeps it on the host)
     cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack)), gpus=world)
     counter, _, state = fake.counted_run(cell, Workspaces(), fake=False)
-    queue.put((rank, dict(counter.phase_peaks), counter.breakdown(counter.peak), state))
+    queue.put((rank, dict(counter.phase_peaks), counter.breakdown(counter.peak), state, counter.host_peak_bytes))
     distributed.shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stack", ["fsdp", "gc + fsdp(precision=mixed, reshard=false)", "ddp", "gc + ddp",
+                                   "fsdp(precision=mixed) + offload(params=true)",
                                    "ddp(bucket_view=true)"])
 def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> None:
     """FSDP2 and DDP on 2 ranks, predicted in this process on torch's fake backend, against 2 real gloo
@@ -98,14 +140,16 @@ def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> 
     for process in ranks:
         process.join(timeout=60)
     steps = {k: v for k, v in predicted.phase_peaks.items() if k != "build"}  # a real build makes temporaries
-    assert set(steps) >= {"first_step/forward", "first_step/backward", "first_step/optimizer", "measure/backward"}
-    for _, phase_peaks, at_peak, state in measured:
+    on_device = {"first_step/forward", "first_step/backward", "measure/backward"}
+    assert set(steps) >= on_device | ({"first_step/optimizer"} if "offload" not in stack else set())  # or on the host
+    for _, phase_peaks, at_peak, state, host_peak_bytes in measured:
         assert steps == {k: phase_peaks[k] for k in steps}
         if "ddp" in stack:  # the same bytes at the peak, the buckets' role aside
             assert sum(predicted.breakdown(predicted.peak).values()) == sum(at_peak.values())
         else:
             assert predicted.breakdown(predicted.peak) == at_peak
         assert predicted_state == state
+        assert predicted.host_peak_bytes == host_peak_bytes  # FSDP's offload: its shards, gradients, state
 
 
 def test_more_fsdp_ranks_hold_less_state_per_rank() -> None:
@@ -235,6 +279,30 @@ def test_activation_offload_is_predicted_with_its_copies_in_pinned_host_memory()
     host = offloaded["host_peak_gib"] - 1.53  # the worker process's own RSS aside
     assert host > base["at_peak_activations_gib"]  # every saved tensor, the weights' copies included
     assert "host_peak_gib" not in base
+
+
+def test_fsdp_cpu_offload_keeps_shards_gradients_and_optimizer_state_on_the_host() -> None:
+    """`fsdp + offload(params=true)`: the device holds only what a unit computes with; the host holds each
+    shard and each gradient in a pinned block (a power of two) and Adam's state in pageable memory."""
+    from bench import trainer
+
+    def predicted(stack: str) -> dict:
+        found = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus.get("h100"))
+        assert found["status"] == "ok", found.get("error")
+        return found
+
+    on_gpu, offloaded = predicted("fsdp"), predicted("fsdp + offload(params=true)")
+    for role in ("weights", "gradients", "optimizer_state"):
+        assert offloaded[f"at_peak_{role}_gib"] < 0.01 * max(on_gpu[f"at_peak_{role}_gib"], on_gpu["weights_gib"])
+    assert on_gpu["peak_allocated_gib"] - offloaded["peak_allocated_gib"] >= on_gpu["at_peak_weights_gib"]
+    model = trainer.build_model(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("fsdp")), device="meta").model
+    pinned = sum(2 * block_bytes(p.numel() * p.element_size()) for p in dict.fromkeys(model.parameters()))
+    host = pinned + offloaded["optimizer_state_gib"] * 2**30  # the second step's gradients reuse the first's blocks
+    assert offloaded["host_peak_gib"] == pytest.approx(host / 2**30 + 1.53, abs=1e-9)
+    assert "host_peak_gib" not in on_gpu
+    assert fake.predict_cell(make_cell(dataclasses.replace(SMOKE, checkpoint="full"), "cuda", "tiny-llama", 64, 2,
+                                       parse_stack("fsdp + offload(params=true)")),
+                             gpus.get("h100"))["status"] == "unsupported"
 
 
 def test_a_zero_cell_with_lora_is_not_predicted_as_if_every_parameter_trained() -> None:

@@ -35,9 +35,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..measure import storage_tensors
+from .pinned import PinnedHostCache
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
-POOLS = ("host", "managed")  # memory counted apart from the allocator's: pinned host, CUDA managed
+# Memory counted apart from the device allocator's: pinned host memory (bench/predict/pinned.py), pageable
+# host memory (an optimizer stepping on the CPU), CUDA managed memory (a paged optimizer's state)
+POOLS = ("pinned", "pageable", "managed")
+HOST_POOLS = ("pinned", "pageable")
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
 # Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
@@ -120,12 +124,32 @@ class MemoryCounter(TorchDispatchMode):
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
-        # Memory counted apart from the caching allocator's: "host" (pinned, pin_memory=True) and "managed"
-        # (CUDA managed memory, made inside `apart("managed")`): bytes alive and their peak, per pool
+        # Memory counted apart from the caching allocator's (POOLS): "pinned" (pin_memory=True, or made inside
+        # `apart("pinned")`), "pageable" and "managed" (made inside `apart(...)`): bytes alive and their peak,
+        # per pool; pinned blocks as the host allocator rounds and caches them
         self.apart_live_bytes = dict.fromkeys(POOLS, 0)
         self.apart_peak_bytes = dict.fromkeys(POOLS, 0)
+        self.pinned = PinnedHostCache()
+        self.host_peak_bytes = 0  # the most host memory held at once: pinned blocks created + pageable alive
         self._apart: WeakIdKeyDictionary = WeakIdKeyDictionary()  # such storages -> their pool
         self._apart_pool: str | None = None
+
+    def __enter__(self) -> MemoryCounter:
+        # FSDP frees a unit's gathered parameters by resizing their storage to nothing, and gathers them
+        # again into the same storage resized back: on a GPU a free and an allocation, which no op shows
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: Any, nbytes: int) -> Any:
+            out = original(storage, nbytes)
+            self.resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        self._unpatch = lambda: setattr(torch.UntypedStorage, "resize_", original)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._unpatch()
+        super().__exit__(*exc)
 
     # --- allocations ---
 
@@ -143,7 +167,7 @@ class MemoryCounter(TorchDispatchMode):
 
     def _dispatch(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
         out = func(*args, **kwargs)
-        pool = "host" if kwargs.get("pin_memory") else self._apart_pool  # pinned host memory (activation offload)
+        pool = "pinned" if kwargs.get("pin_memory") else self._apart_pool  # pinned host memory (activation offload)
         if pool is not None:
             for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
                 self._track_apart(tensor, pool)
@@ -177,6 +201,18 @@ class MemoryCounter(TorchDispatchMode):
         if role is not None:
             self.records[index].role = role
 
+    def resized(self, storage: Any) -> None:
+        """A storage resized in place: to nothing, its record is freed (the storage lives on); from
+        nothing, a new record of its new size is allocated."""
+        if storage in self._apart:
+            return
+        index = self._record_of.get(storage)
+        if storage.nbytes() == 0 and index is not None:
+            del self._record_of[storage]
+            self._free(index)
+        elif storage.nbytes() and index is None:
+            self._count(self._new_record(storage, "resize_"))
+
     @contextlib.contextmanager
     def apart(self, pool: str) -> Iterator[None]:
         """Storages made inside are counted in `pool` (one of POOLS), not the caching allocator's."""
@@ -187,21 +223,34 @@ class MemoryCounter(TorchDispatchMode):
             self._apart_pool = before
 
     @property
-    def host_peak_bytes(self) -> int:
-        return self.apart_peak_bytes["host"]
+    def host_bytes(self) -> int:
+        """Host memory held now: every pinned block created (cached ones too) and pageable memory alive."""
+        return self.pinned.created_bytes + self.apart_live_bytes["pageable"]
+
+    def to_pool(self, tensor: torch.Tensor, pool: str) -> None:
+        """The tensor's storage, counted so far as the device's, now lives in `pool`: what a copy to the
+        host and the device copy's free do on a GPU, where the fake run's "device" and host are one."""
+        storage = tensor.untyped_storage()
+        index = self._record_of.pop(storage, None)
+        if index is not None:
+            self._free(index)
+        self._track_apart(tensor, pool)
 
     def _track_apart(self, tensor: torch.Tensor, pool: str) -> None:
         storage = tensor.untyped_storage()
         if storage in self._apart:
             return
-        nbytes = storage.nbytes()
+        nbytes = self.pinned.allocate(storage.nbytes()) if pool == "pinned" else storage.nbytes()
         self._apart[storage] = pool
         self.apart_live_bytes[pool] += nbytes
         self.apart_peak_bytes[pool] = max(self.apart_peak_bytes[pool], self.apart_live_bytes[pool])
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
         weakref.finalize(storage, self._free_apart, pool, nbytes)
 
     def _free_apart(self, pool: str, nbytes: int) -> None:
         self.apart_live_bytes[pool] -= nbytes
+        if pool == "pinned":
+            self.pinned.release(nbytes)
 
     def _new_record(self, storage: Any, op: str) -> int:
         rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES
@@ -227,6 +276,8 @@ class MemoryCounter(TorchDispatchMode):
         record = self.records[index]
         if self._pending is not None and index in self._pending:
             self._resolve_pending(index)
+            return
+        if record.freed is not None:  # moved to a pool (to_pool) before its storage died
             return
         record.freed = self.events
         self.live_bytes -= record.nbytes

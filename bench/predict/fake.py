@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, trainer
 from ..cells import Cell
-from . import allocator, bnb, cce, ddp, hybrid, liger, save
+from . import allocator, bnb, cce, ddp, fsdp_offload, hybrid, liger, save
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -82,6 +82,8 @@ def unsupported_reason(cell: Cell) -> str | None:
         return f"cce: {cce.unsupported_reason(cut.opts['impl'])}"
     if zero:
         return hybrid.unsupported_reason(cell)
+    if fsdp_offload.applies(cell) and cell.checkpoint != "none":
+        return "the save of an FSDP2 cell whose shards live on the host is not modelled"
     if cell.gpus > 1 and not _fake_group_engine(cell):
         return f"{cell.gpus} ranks: only FSDP2's and DDP's ranks are simulated (fake process group)"
     return None
@@ -137,7 +139,7 @@ def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib
     the save's gathers; on the host, the worker processes, pinned memory still held, the save's copies."""
     if cell.checkpoint == "none":
         return {}
-    host_gib = cell.gpus * hybrid.WORKER_PROCESS_GIB + counter.apart_live_bytes["host"] / measure.GIB
+    host_gib = cell.gpus * hybrid.WORKER_PROCESS_GIB + counter.host_bytes / measure.GIB
     cost = save.engine_cost(cell, counter, built.model)
     return save.columns(cost.host_bytes, (counter.steps[-1].live_bytes + cost.gpu_bytes) / measure.GIB, reserved_gib,
                         host_gib)
@@ -207,7 +209,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
-        with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), counter:
+        with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), counter:
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 counter.track(tensor, "parameter", role="weight")
@@ -218,7 +220,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
-            _ddp(cell), FakeTensorMode() as mode, counter:
+            _ddp(cell), fsdp_offload.predicting(cell, counter), FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
@@ -233,6 +235,8 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     counter.mark(job.engine.model.parameters(), "weight")  # an engine's own copies of them (FSDP2's shards)
     if fake:  # a fake group's all-reduce returns nothing (bench/predict/ddp.py)
         ddp.reduce_in_place(job.engine.model)
+    if fsdp_offload.applies(cell):
+        fsdp_offload.step_on_host(job.engine, counter)
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     for stage, batch in _stepped(cell, built, batches):

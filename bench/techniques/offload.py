@@ -5,7 +5,9 @@ Saves: GPU memory of the fp32 master weights and Adam states (12 B/param) with `
 of the parameters between uses with `params=true` (ZeRO-3 or FSDP). Costs: host RAM (it moves memory,
 it does not remove it: read host_rss_peak_gib), PCIe traffic every step, and the optimizer step on the
 CPU (torch AdamW by default; `zero?(adam=deepspeed)` uses DeepSpeed's JIT-built CPUAdam, much faster).
-Needs CUDA: on a CPU-only cell there is nothing to offload from.
+Needs CUDA: on a CPU-only cell there is nothing to offload from. Predicted: under ZeRO from DeepSpeed's
+own accounting (bench/predict/hybrid.py); under FSDP2 by the fake run, each host crossing counted where
+FSDP makes it (bench/predict/fsdp_offload.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ TECHNIQUE = Technique(
     phase=Phase.ENGINE,
     options={"optimizer": True, "params": False},
     requires_cuda=True,
-    not_predicted="host offload runs inside an engine that is not simulated yet",
     needs_one_of=("zero2", "zero3", "fsdp"),
     configure=_configure,
     ds_config=_fragment,
