@@ -231,3 +231,26 @@ def test_a_save_allocates_on_the_gpu_what_the_save_prediction_says(workdir: Path
             assert row["checkpoint_peak_allocated_gib"] == pytest.approx(guess["checkpoint_peak_allocated_gib"],
                                                                         abs=mib), cell_id
             assert row["checkpoint_peak_reserved_gib"] <= row["peak_reserved_gib"] + mib, cell_id
+
+
+def test_fsdp_and_its_cpu_offload_allocate_what_their_prediction_says(workdir: Path) -> None:
+    """FSDP2 on one GPU, with and without CPU offload, measured and predicted for an H100: the peak
+    allocated (the gathered parameters freed as their storage is resized to nothing; with offload, only
+    what a unit computes with on the device) and, with offload, the host RAM of the shards, gradients
+    and optimizer state (bench/predict/fsdp_offload.py, pinned blocks as bench/predict/pinned.py holds them)."""
+    write_matrix(workdir, """
+    matrices:
+      f: {device: cuda, models: [llama-3.2-1b], seq_lens: [1024], batch_sizes: [1], steps: {warmup: 1, measure: 2},
+          stacks: [fsdp, fsdp + offload(params=true), fsdp(precision=mixed) + offload(params=true)]}
+    """)
+    for command in ("run", "predict"):
+        proc = run_bench(workdir, command, "f", "--run-id", command, *(("--gpu", "h100") if command == "predict" else ()))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    predicted = raw_rows(workdir, "predict")
+    for cell_id, row in raw_rows(workdir, "run").items():
+        assert row["status"] == "ok", row["error"]
+        guess = predicted[cell_id]
+        assert guess["status"] == "ok", guess.get("error")
+        assert row["peak_allocated_gib"] == pytest.approx(guess["peak_allocated_gib"], rel=0.02), cell_id
+        if "offload" in cell_id:
+            assert row["host_rss_peak_gib"] == pytest.approx(guess["host_peak_gib"], rel=0.10), cell_id
