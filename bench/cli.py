@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     fit_p.add_argument("--gpu", default="h100", help="with --predict: the GPU kind predicted for (default h100)")
     fit_p.add_argument("--host-memory-gib", type=float,
                        help="with --predict: the host's RAM, GiB; a probe whose predicted host RAM exceeds it is "
-                            "host_oom, which stops its search")
+                            "host_oom, which bounds its search as an OOM does")
     fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")

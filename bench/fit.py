@@ -39,9 +39,10 @@ class Frontier:
 
 
 def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | None = None,
-           known_oom: int | None = None, guess: int | None = None) -> Frontier:
-    """Bisection over `sizes` (ascending). probe(size) -> a cell status: "ok" fits, "oom" does not;
-    anything else (error, timeout, host_oom, unsupported) stops the search and is reported.
+           known_oom: int | None = None, guess: int | None = None, too_big: tuple[str, ...] = ("oom",)) -> Frontier:
+    """Bisection over `sizes` (ascending). probe(size) -> a cell status: "ok" fits, one of `too_big`
+    ("oom"; a predicted "host_oom" too) does not; anything else (error, timeout, a measured host_oom,
+    unsupported) stops the search and is reported.
     `guess` (e.g. the predicted largest size that fits) is probed first, then its neighbour across
     the boundary: a right guess settles the search in two probes, a wrong one still narrows it."""
     lo = max((i for i, s in enumerate(sizes) if known_ok is not None and s <= known_ok), default=-1)
@@ -56,7 +57,7 @@ def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | No
         status = probe(sizes[mid])
         if status == "ok":
             lo = mid
-        elif status == "oom":
+        elif status in too_big:
             hi = mid
             if mid == first:  # the guess was too large: the size below it next
                 pending = [mid - 1]
@@ -88,6 +89,7 @@ class Probes(Protocol):
     """How a probe cell is tried. `rows` holds the row of every cell tried (a resumed run's too)."""
 
     rows: dict[str, dict[str, Any]]
+    too_big: tuple[str, ...]  # statuses that bound a search as an OOM does (search's too_big)
 
     def run(self, cell: Cell) -> bool:
         """Makes the cell's row in `rows`; True if it took a run now (not already known)."""
@@ -103,6 +105,9 @@ class MeasuredProbes:
     opts: runner.RunOptions
     provenance: dict[str, Any]
     progress: runner.Progress
+    # A measured host_oom (a process killed by the kernel) stops the search: it is costly, and what it
+    # needed is not known
+    too_big: tuple[str, ...] = ("oom",)
 
     def __post_init__(self) -> None:
         self.rows = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # a resumed run's probes
@@ -123,6 +128,8 @@ class PredictedProbes:
     opts: PredictOptions
     provenance: dict[str, Any]
     report: Callable[[Cell, dict[str, Any]], None]
+    # A predicted host_oom costs nothing and grows with the cell like an OOM: the search bisects on it
+    too_big: tuple[str, ...] = ("oom", "host_oom")
 
     def __post_init__(self) -> None:
         self.predicted = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id, results.PREDICTED)
@@ -194,7 +201,7 @@ class FrontierRun:
                 return self.probe(cell_for(size), ran, size)
 
             guess = self.hints.get((model, stack.label, axis, fixed, budget))
-            found = search(sizes, probe, known_ok=known_ok, guess=guess)
+            found = search(sizes, probe, known_ok=known_ok, guess=guess, too_big=self.probes.too_big)
             known_ok = found.largest_ok
             out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, ran, cell_for))
         return out
@@ -221,6 +228,8 @@ class FrontierRun:
             "seq_len": fixed if axis == "batch" else found.largest_ok,
             "batch_size": found.largest_ok if axis == "batch" else fixed,
             "largest_ok": found.largest_ok, "smallest_oom": found.smallest_oom, "candidates_max": sizes[-1],
+            "smallest_oom_status": (self.rows.get(cell_for(found.smallest_oom).row_key, {}).get("status")
+                                    if found.smallest_oom else None),  # oom, or host_oom: the host's RAM
             "probes": len(found.probes), "probes_run": len(ran), "stopped": found.stopped,
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -99,7 +100,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
             needed = r.get("device_peak_gib") if pd.notna(r.get("device_peak_gib")) else r["peak_allocated_gib"]
             peak = gib(needed) if pd.notna(needed) else ""
             lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, needed)} | "
-                         f"{_int(r['smallest_oom'])} |")
+                         f"{_too_big(r)} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
     if len(seq_axis):
@@ -107,7 +108,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
                   "| budget GiB | model | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|---|"]
         for _, r in seq_axis.sort_values(["budget_gib", "model", "stack"]).iterrows():
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
-                         f"{_int(r['smallest_oom'])} |")
+                         f"{_too_big(r)} |")
         lines.append("")
     lines += beside_published(summary, str(first["matrix"]), "predicted")
     unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
@@ -186,6 +187,12 @@ def _gib(x: float | None) -> str:
 
 def _headroom(budget: float, device_peak: float | None) -> str:
     return "" if device_peak is None or pd.isna(device_peak) else f"{budget - device_peak:.1f}"
+
+
+def _too_big(search: Any) -> str:
+    """The smallest size that does not fit, and "(host RAM)" where the host ran out, not the GPU."""
+    where = " (host RAM)" if search.get("smallest_oom_status") == "host_oom" else ""
+    return _int(search["smallest_oom"]) + where if pd.notna(search["smallest_oom"]) else ""
 
 
 def _int(x: float | None) -> str:

@@ -42,6 +42,17 @@ def test_known_boundary_needs_no_probe() -> None:
     assert found == fit.Frontier(4, 8, ())
 
 
+def test_a_predicted_host_oom_bounds_the_search_as_an_oom_does() -> None:
+    """A predicted host OOM costs nothing: the search bisects on it (too_big) and finds the boundary;
+    by default (a measured one) it stops the search."""
+    def probe(size: int) -> str:
+        return "ok" if size <= 5 else ("host_oom" if size <= 9 else "oom")
+
+    found = fit.search(list(range(1, 16)), probe, too_big=("oom", "host_oom"))
+    assert (found.largest_ok, found.smallest_oom, found.stopped) == (5, 6, "")
+    assert fit.search(list(range(1, 16)), probe).stopped == "host_oom at 8"
+
+
 def test_an_error_stops_the_search_and_says_where() -> None:
     def probe(size: int) -> str:
         return "error" if size == 8 else ("ok" if size < 8 else "oom")
@@ -148,10 +159,10 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
 
 
 @pytest.mark.timeout(600)
-def test_a_predicted_fit_stops_where_the_host_runs_out(workdir) -> None:
+def test_a_predicted_fit_says_where_the_host_runs_out(workdir) -> None:
     """With --host-memory-gib, a probe whose predicted host RAM (activation offload's pinned copies, one
-    worker process) exceeds it is host_oom: the search stops there and says so. Without --predict the
-    flag is refused."""
+    worker process) exceeds it is host_oom: it bounds the search as an OOM does, and the board says the
+    host ran out. Without --predict the flag is refused."""
     from conftest import run_bench, write_matrix
 
     write_matrix(workdir, PREDICTED_FIT.replace("[baseline, compile]", "[activation_offload]"))
@@ -161,8 +172,10 @@ def test_a_predicted_fit_stops_where_the_host_runs_out(workdir) -> None:
     proc = run_bench(workdir, *args, "--predict", "--host-memory-gib", "1", "--run-id", "fh")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = pd.read_parquet(workdir / "results" / "f" / "fit" / "fh.parquet").set_index("axis")
-    assert summary.loc["batch", "stopped"].startswith("host_oom at")  # one worker process alone needs 1.53 GiB
-    assert pd.isna(summary.loc["batch", "largest_ok"])
+    # one worker process alone needs 1.53 GiB: not even batch 1 fits the host
+    assert pd.isna(summary.loc["batch", "largest_ok"]) and summary.loc["batch", "smallest_oom"] == 1
+    assert summary.loc["batch", "smallest_oom_status"] == "host_oom" and not summary.loc["batch", "stopped"]
+    assert "| 1 (host RAM) |" in (workdir / "results" / "f" / "fit" / "FIT-predicted.md").read_text()
 
 
 def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
