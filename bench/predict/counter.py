@@ -41,7 +41,6 @@ BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple
 # Memory counted apart from the device allocator's: pinned host memory (bench/predict/pinned.py), pageable
 # host memory (an optimizer stepping on the CPU), CUDA managed memory (a paged optimizer's state)
 POOLS = ("pinned", "pageable", "managed")
-HOST_POOLS = ("pinned", "pageable")
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
 # Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
@@ -277,7 +276,7 @@ class MemoryCounter(TorchDispatchMode):
         if self._pending is not None and index in self._pending:
             self._resolve_pending(index)
             return
-        if record.freed is not None:  # moved to a pool (to_pool) before its storage died
+        if record.freed is not None:  # freed before its storage died: moved to a pool, or resized to nothing
             return
         record.freed = self.events
         self.live_bytes -= record.nbytes
