@@ -220,8 +220,17 @@ def _eight_gpus(sources: Sources, ranks: list[cells.Cell]) -> str:
             f"allocated at its peak" + (f", {zero3_liger.quote(device)} of the device with the CUDA context and "
                                         f"the cache (10 GB = 9.31 GiB)" if device is not None else "")
             + (f"; with gc alone {zero3.quote()}" if zero3.gib() is not None else "")
-            + (f"; FSDP2 with fp32 master weights, gc and Liger {fsdp_liger.quote()}" if fsdp_liger.gib() is not None
-               else "") + ". ")
+            + (f"; FSDP2 with fp32 master weights, gc and Liger {fsdp_liger.quote()}{_built_whole(fsdp_liger)}"
+               if fsdp_liger.gib() is not None else "") + ". ")
+
+
+def _built_whole(figure: Figure) -> str:
+    """Where an FSDP cell peaks while it is built: each rank builds the whole model on its GPU before
+    sharding it (the suite's build), so that is the peak; what training itself needs follows."""
+    if not str((figure.row or {}).get("peak_phase", "")).startswith("build"):
+        return ""
+    return (f", at its build: each rank holds the whole model on its GPU before sharding it; training itself "
+            f"peaks at {figure.quote(figure.gib('steady_peak_allocated_gib'))}")
 
 
 def openrlhf(sources: Sources) -> list[str]:
