@@ -178,8 +178,10 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("model_states_gib", "float", "hybrid: weights, gradients and optimizer state per GPU by DeepSpeed's estimator, GiB"),
     ("buckets_gib", "float", "hybrid: DeepSpeed's gradient reduction bucket per GPU (reduce_bucket_size), GiB"),
     ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO, DeepSpeed's "
-                               "estimate of the offloaded states (x1.5, its default allowance); activation offload, the "
-                               "fake run's peak of pinned host memory; + 1.53 GiB per worker process (measured), GiB"),
+                               "estimate of the offloaded states (x1.5, its default allowance); activation offload and "
+                               "FSDP2's CPU offload, the fake run's pinned host memory (power-of-two blocks, cached, as "
+                               "PyTorch's host allocator holds them) and pageable optimizer state; + 1.53 GiB per worker "
+                               "process (measured), GiB"),
     ("host_fits", "bool", "PREDICTED host_peak_gib and checkpoint_host_peak_gib <= the host's RAM (--host-memory-gib); "
                           "False: expect host_oom"),
     ("checkpoint_peak_allocated_gib", "float", "PREDICTED allocated during the checkpoint save: what the last step "
