@@ -13,6 +13,10 @@ build follows the stack's phase order:
 5. the engine (bench/engines/): plain PyTorch, DeepSpeed or FSDP2 wraps the model and owns
    backward, the optimizer step and checkpoint saves.
 
+For FSDP2, steps 3-4 keep the parameters on the meta device and record how they were initialised
+(bench/deferred.py); the engine shards the meta model and replays the record into each shard, as
+real FSDP recipes build: no GPU ever holds the whole model, and the weights are a plain build's.
+
 `build_model` (1-4) and `wrap` (5) are separate so the worker can read the weights' footprint in
 between; `build` does both. `Trainer.step` is one optimizer step.
 """
@@ -24,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import data, distributed, measure, models
+from . import data, deferred, distributed, measure, models
 from .cells import Cell
 from .engines import Engine, EngineJob
 from .engines import wrap as wrap_engine
@@ -34,6 +38,7 @@ from .techniques.base import Evidence, Options
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 Uses = tuple[tuple[Technique, Options], ...]
 BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with
+DEFERRED_ENGINES = ("fsdp",)  # engines that shard a meta model and replay its init (bench/deferred.py)
 
 
 class Phases(Protocol):
@@ -51,6 +56,7 @@ class Built:
     setup: TrainSetup
     uses: Uses
     evidence: Evidence  # what each technique reported when applied
+    deferred: deferred.Record | None  # parameters left on meta, their init recorded (FSDP2: the engine replays it)
     total_params: int
     trainable_params: int
     weights_gib: float  # bytes of all parameters
@@ -122,32 +128,43 @@ def build_model(cell: Cell, device: str | None = None) -> Built:
     for technique, opts in uses:
         if technique.before_build is not None:
             technique.before_build(cell, opts)
-    loaders = [(t, opts) for t, opts in uses if t.load is not None]  # at most one: slot "base"
-    if loaders:
-        loader, opts = loaders[0]
-        model = loader.load(cell, device, setup.attn_implementation, opts)  # type: ignore[misc]
-        flops = None
-    else:
-        model = base_model(cell.model, device, cell.seed, setup)
-        flops = measure.flops_per_token(model, cell.seq_len)
-    evidence: Evidence = {}
-    # What techniques add (LoRA adapters) is made as a user's code makes it, on the CPU, then moved to
-    # the model's device: also on meta, where peft would leave adapters made there in fp32 whatever
-    # their asked dtype (it casts to the base layer's dtype only when it moves them).
-    for technique, opts in uses:
-        if technique.apply is not None:
-            model, found = technique.apply(model, opts)
-            evidence.update(found)
+    recorded = deferred.recording(cell.seed) if setup.engine in DEFERRED_ENGINES else None
+    with recorded or contextlib.nullcontext() as record:
+        model, flops = _base(cell, device, setup, uses)
+        if record is not None:
+            record.base_built()  # what the stack adds is made for real (bench/deferred.py)
+        evidence: Evidence = {}
+        # What techniques add (LoRA adapters) is made as a user's code makes it, on the CPU, then moved to
+        # the model's device: also on meta, where peft would leave adapters made there in fp32 whatever
+        # their asked dtype (it casts to the base layer's dtype only when it moves them).
+        for technique, opts in uses:
+            if technique.apply is not None:
+                model, found = technique.apply(model, opts)
+                evidence.update(found)
+    if record is not None:
+        record.finish(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return Built(model, device, setup, uses, evidence, total_params=sum(p.numel() for p in model.parameters()),
+    return Built(model, device, setup, uses, evidence, record, total_params=sum(p.numel() for p in model.parameters()),
                  trainable_params=sum(p.numel() for p in trainable), weights_gib=measure.tensor_gib(model.parameters()),
                  grads_gib=measure.tensor_gib(trainable), flops_per_token=flops, vocab_size=model.config.vocab_size)
+
+
+def _base(cell: Cell, device: str, setup: TrainSetup, uses: Uses) -> tuple[Any, float | None]:
+    """Step 3: (the base model, its FLOPs per token): built from its config, or a technique's `load`
+    (at most one: slot "base"; a quantized base has no FLOP count)."""
+    loaders = [(t, opts) for t, opts in uses if t.load is not None]
+    if loaders:
+        loader, opts = loaders[0]
+        return loader.load(cell, device, setup.attn_implementation, opts), None  # type: ignore[misc]
+    model = base_model(cell.model, device, cell.seed, setup)
+    return model, measure.flops_per_token(model, cell.seq_len)
 
 
 def wrap(cell: Cell, built: Built) -> Trainer:
     """Step 5: the engine the stack selected (plain PyTorch if none) around the built model."""
     trainable = tuple(p for p in built.model.parameters() if p.requires_grad)
-    engine, found = wrap_engine(EngineJob(cell, built.setup, built.uses, built.model, trainable))
+    engine, found = wrap_engine(EngineJob(cell, built.setup, built.uses, built.model, trainable, built.device,
+                                          built.deferred))
     return Trainer(cell, built.device, built.setup, built.uses, engine, {**built.evidence, **found}, built.vocab_size)
 
 

@@ -22,6 +22,8 @@ class EngineJob:
     uses: tuple[tuple[Technique, Options], ...]  # the stack, in phase order
     model: Any  # built, the stack applied, in train mode
     trainable: tuple[Any, ...]  # its parameters with requires_grad, before any sharding
+    device: str = ""  # where its tensors go (the cell's device; a prediction's fake "cpu")
+    deferred: Any = None  # a bench.deferred.Record: the parameters are on meta, to be made and initialised
 
     def options_of(self, name: str) -> Options:
         return next(opts for technique, opts in self.uses if technique.name == name)

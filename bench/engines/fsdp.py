@@ -6,6 +6,9 @@ exist only while it computes (all-gather before, free after with `reshard_after_
 gradients are reduce-scattered. The optimizer is the stack's, built on the sharded parameters, and
 training is a plain loss.backward() / optimizer.step(). With one rank nothing is divided, but the
 precision policy and CPU offload still act, so fsdp on one GPU is a cell of its own.
+Built on meta (bench/deferred.py): the units are sharded while the model holds no memory, then
+each rank's shards are made (on the host with CPU offload) and the build's init replayed into
+them, one whole parameter at a time, as torchtitan builds: no GPU ever holds the whole model.
 Checkpoints: full -> torch.distributed.checkpoint, each rank its shards of model and optimizer
 state; model -> the full state dict gathered to the CPU (as an export does), written by rank 0.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import distributed
+from .. import deferred, distributed
 from ..techniques.base import Evidence
 from .base import EngineJob
 from .plain import PlainEngine, make_optimizer
@@ -56,9 +59,11 @@ def wrap(job: EngineJob) -> tuple[FsdpEngine, Evidence]:
     offload = CPUOffloadPolicy() if job.setup.cpu_offload else OffloadPolicy()
     kinds = _layer_classes(model)
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
-    ranks = distributed.mesh(next(model.parameters()).device.type)
+    ranks = distributed.mesh(job.device)
     for module in [*layers, model]:
         fully_shard(module, mesh=ranks, mp_policy=policy, offload_policy=offload, reshard_after_forward=opts["reshard"])
+    if job.deferred is not None:  # the shards get their memory and the build's weights only now
+        deferred.materialize(model, job.deferred, "cpu" if job.setup.cpu_offload else job.device)
     params = list(model.parameters())
     evidence = {
         "fsdp_units": len(layers) + 1,
@@ -67,6 +72,7 @@ def wrap(job: EngineJob) -> tuple[FsdpEngine, Evidence]:
         "fsdp_params": len(params),
         "fsdp_param_device": str(params[0].device.type),
         "fsdp_master_dtype": str(params[0].dtype).removeprefix("torch."),
+        "fsdp_init": "deferred" if job.deferred is not None else "whole model first",
     }
     optimizer = make_optimizer([p for p in params if p.requires_grad], job.setup, job.uses)
     return FsdpEngine(model, optimizer), evidence

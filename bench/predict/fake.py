@@ -212,6 +212,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
         with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), counter:
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
+                if tensor.is_meta:  # deferred (FSDP2): made when the engine has sharded them
+                    continue
                 counter.track(tensor, "parameter", role="weight")
                 for state in bnb.quantized_state_tensors(tensor):  # a 4-bit weight's statistics
                     counter.track(state, "quant_state", role="weight")
@@ -221,7 +223,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), FakeTensorMode() as mode, counter:
-        model = _fake_parameters(built.model, counter)
+        model = _fake_parameters(built.model, counter, parameters=built.deferred is None)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
                         total_params=sum(p.numel() for p in model.parameters()))
@@ -266,13 +268,16 @@ def _stepped(cell: Cell, built: trainer.Built, batches: list[data.Batch]) -> lis
         [(STAGES[0], first)]
 
 
-def _fake_parameters(model: Any, counter: MemoryCounter) -> Any:
+def _fake_parameters(model: Any, counter: MemoryCounter, parameters: bool = True) -> Any:
     """Every parameter and buffer of the meta model replaced by a fake CPU tensor like it; one
-    fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor."""
+    fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor. Without
+    `parameters`, buffers only: a deferred build's parameters stay on meta until the engine has
+    sharded them (bench/deferred.py), and their replay allocates them under the counter."""
     made: dict[int, Any] = {}
     originals = []  # kept alive while replacing, so no id is reused
     for module in model.modules():
-        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+        slots_of = ((module._parameters, True), (module._buffers, False)) if parameters else ((module._buffers, False),)
+        for slots, is_param in slots_of:
             for name, tensor in list(slots.items()):
                 if tensor is None:
                     continue

@@ -10,8 +10,9 @@ tensor is itself) and pinning has no fake kernel. `predicting` gives each crossi
 where FSDP makes it (torch 2.11 to 2.13's `FSDPParam`), so the counter sees each rank's device and
 its host apart (bench/predict/counter.py's pools):
 
-1. a sharded parameter, made on the device then pinned (`_init_sharded_param`): moved to the pinned
-   pool (FSDP's own pinning is turned off: the counter does it);
+1. a sharded parameter, made on the host and pinned (`_init_sharded_param`, or `reset_sharded_param`
+   when a meta-built shard gets its memory): moved to the pinned pool (FSDP's own pinning is turned
+   off: the counter does it);
 2. before each all-gather, the shard copied to the device, then cast to the compute dtype
    (`all_gather_inputs`, as FSDP writes it for a plain sharded parameter);
 3. after each reduce-scatter, the sharded gradient copied to pinned memory and the device's freed
@@ -41,9 +42,10 @@ def predicting(cell: Cell, counter: Any) -> Iterator[None]:
         return
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-    originals = {name: FSDPParam.__dict__[name] for name in ("_init_sharded_param", "all_gather_inputs",
-                                                             "to_sharded_dtensor")}
+    originals = {name: FSDPParam.__dict__[name] for name in ("_init_sharded_param", "reset_sharded_param",
+                                                             "all_gather_inputs", "to_sharded_dtensor")}
     patched = {"_init_sharded_param": _sharded_on_host(originals["_init_sharded_param"], counter),
+               "reset_sharded_param": _made_on_host(originals["reset_sharded_param"], counter),
                "all_gather_inputs": property(_copied_to_device(originals["all_gather_inputs"].fget)),
                "to_sharded_dtensor": _gradient_to_host(originals["to_sharded_dtensor"], counter)}
     for name, replacement in patched.items():
@@ -64,7 +66,17 @@ def _sharded_on_host(init: Any, counter: Any) -> Any:
             init(self, *args, **kwargs)
         finally:
             self.offload_to_cpu = offloaded
-        if offloaded:
+        if offloaded and not self._sharded_param_data.is_meta:
+            counter.to_pool(self._sharded_param_data, "pinned")
+    return wrapped
+
+
+def _made_on_host(reset: Any, counter: Any) -> Any:
+    """A meta-built shard given memory (`to_empty`, bench/deferred.py) is pinned by FSDP when it re-pads it."""
+    @functools.wraps(reset)
+    def wrapped(self: Any) -> None:
+        reset(self)
+        if self.offload_to_cpu and not self._sharded_param_data.is_meta:
             counter.to_pool(self._sharded_param_data, "pinned")
     return wrapped
 
