@@ -180,7 +180,7 @@ class MemoryCounter(TorchDispatchMode):
             if tensor.untyped_storage() in self._apart:
                 continue  # written in place into memory counted apart (a copy_ into pinned host memory)
             self.track(tensor, op)
-            if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
+            if func.is_view and op != "detach" and not tensor.is_meta:  # a detached tensor keeps no base alive: not a view to autograd
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
         return out
 
@@ -191,7 +191,10 @@ class MemoryCounter(TorchDispatchMode):
         return len(self.records) - 1
 
     def track(self, tensor: torch.Tensor, op: str, role: str | None = None) -> None:
-        """Counts the tensor's storage once (a view or an in-place result is not a new allocation)."""
+        """Counts the tensor's storage once (a view or an in-place result is not a new allocation); a meta
+        tensor holds no memory (a deferred build's parameters, bench/deferred.py)."""
+        if tensor.is_meta:
+            return
         storage = tensor.untyped_storage()
         index = self._record_of.get(storage)
         if index is None:

@@ -223,7 +223,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), FakeTensorMode() as mode, counter:
-        model = _fake_parameters(built.model, counter, parameters=built.deferred is None)
+        model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
                         total_params=sum(p.numel() for p in model.parameters()))
@@ -268,24 +268,32 @@ def _stepped(cell: Cell, built: trainer.Built, batches: list[data.Batch]) -> lis
         [(STAGES[0], first)]
 
 
-def _fake_parameters(model: Any, counter: MemoryCounter, parameters: bool = True) -> Any:
+def _fake_parameters(model: Any, counter: MemoryCounter, deferred: bool = False) -> Any:
     """Every parameter and buffer of the meta model replaced by a fake CPU tensor like it; one
-    fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor. Without
-    `parameters`, buffers only: a deferred build's parameters stay on meta until the engine has
-    sharded them (bench/deferred.py), and their replay allocates them under the counter."""
+    fake per meta tensor, so tied weights (embeddings and lm_head) stay one tensor. A `deferred`
+    build's meta parameters become fake *meta* tensors, holding no memory until the engine has
+    sharded them and replays their init (bench/deferred.py), allocating them under the counter."""
     made: dict[int, Any] = {}
     originals = []  # kept alive while replacing, so no id is reused
     for module in model.modules():
-        slots_of = ((module._parameters, True), (module._buffers, False)) if parameters else ((module._buffers, False),)
-        for slots, is_param in slots_of:
+        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in list(slots.items()):
                 if tensor is None:
                     continue
                 if id(tensor) not in made:
                     originals.append(tensor)
-                    made[id(tensor)] = _fake_like(tensor, module, is_param, counter)
+                    still_meta = deferred and is_param and tensor.is_meta
+                    made[id(tensor)] = _meta_like(tensor) if still_meta else _fake_like(tensor, module, is_param, counter)
                 slots[name] = made[id(tensor)]
     return model
+
+
+def _meta_like(param: Any) -> Any:
+    """A fake meta parameter like `param` (FakeTensorMode takes no real tensor, meta ones included)."""
+    import torch
+
+    fake = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+    return torch.nn.Parameter(fake, requires_grad=param.requires_grad)
 
 
 def _fake_like(tensor: Any, module: Any, is_param: bool, counter: MemoryCounter) -> Any:
