@@ -116,6 +116,11 @@ class Record:
             else:
                 torch.cuda.set_rng_state(self.seeded[kind])
 
+    def alias(self, tensor: Any, key: int) -> None:
+        """`tensor` is the whole of parameter `key` under another name (`.data`, `.detach()`)."""
+        self.keys[id(tensor)] = key
+        self.params.append(tensor)
+
     def moved(self, old: Any, new: Any) -> None:
         """`new` replaced recorded parameter `old` (Module._apply made a new Parameter): the same key."""
         key = self.keys[id(old)]
@@ -125,17 +130,14 @@ class Record:
             self.writes.append(Write(key, new.dtype))
 
     def finish(self, model: Any) -> None:
-        """The built model's names of each recorded parameter; checks every one can be replayed and drops
-        values a later whole write replaces."""
+        """The built model's names of each recorded parameter; checks that every one can be replayed."""
         for name, param in model.named_parameters(remove_duplicate=False):
             key = self.key_of(param)
             if key is not None:
                 self.names.setdefault(key, []).append(name)
         written_whole = {w.key for w in self.writes if w.func is not None and w.view is None}
-        for key, made in list(self.made.items()):
-            if key in written_whole and made.values is not None:
-                self.made[key] = Made(made.device, made.shape)
-            elif key in self.names and made.device != "meta" and key not in written_whole and made.values is None:
+        for key, made in self.made.items():
+            if key in self.names and made.device != "meta" and key not in written_whole and made.values is None:
                 raise NotImplementedError(f"deferred init: parameter {self.names[key][0]} "
                                           f"{list(made.shape)} was made with values and never initialised")
 
@@ -166,6 +168,11 @@ def recording(seed: int) -> Iterator[Record]:
     class Recorder(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            key = record.key_of(args[0]) if args and _aliases(func) else None
+            if key is not None:  # `p.data`, `p.detach()`: p itself, under another name
+                out = func(*args, **kwargs)
+                record.alias(out, key)
+                return out
             target = _record_write(record, func, args, kwargs)
             if target is not None:  # recorded, not done: the replay does it, drawing its random numbers then
                 return target
@@ -175,7 +182,7 @@ def recording(seed: int) -> Iterator[Record]:
 
     torch.manual_seed(seed)  # as the build seeds it: the base's build must leave the streams where they are now
     record.seeded = dict(zip(("cpu", "cuda"), _rng_states(), strict=False))
-    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     torch.nn.Module._apply = _apply  # type: ignore[method-assign]
     try:
         with Recorder():
@@ -236,6 +243,18 @@ def _recorded(param: Any, record: Record) -> Any:
     return kept
 
 
+def _aliases(func: Any) -> bool:
+    """Whether `func(p)` returns p's whole storage as another tensor (writes into it write into p)."""
+    import torch
+
+    name = getattr(func, "__name__", "")
+    return name == "detach" or (name == "__get__" and getattr(func, "__self__", None) is _data_descriptor(torch))
+
+
+def _data_descriptor(torch: Any) -> Any:
+    return torch._C.TensorBase.__dict__["data"]
+
+
 def _off_meta(to: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """`tensor.to(...)`, except that a real tensor asked to go to meta stays where it is (cast as asked)."""
     import torch
@@ -255,7 +274,7 @@ def _record_write(record: Record, func: Any, args: tuple[Any, ...], kwargs: dict
     import torch
 
     name = getattr(func, "__name__", "")
-    if name == "__set__" and getattr(func, "__self__", None) is torch._C.TensorBase.__dict__["data"]:
+    if name == "__set__" and getattr(func, "__self__", None) is _data_descriptor(torch):
         _record_cast(record, *args)
         return None
     is_init = getattr(func, "__module__", "") == "torch.nn.init"
@@ -274,7 +293,10 @@ def _record_write(record: Record, func: Any, args: tuple[Any, ...], kwargs: dict
     kwargs = {k: v for k, v in kwargs.items() if k != "tensor"}
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*rest, *kwargs.values())):
         raise NotImplementedError(f"deferred init: {name} writes a value computed on meta into a parameter {shape}")
-    record.writes.append(Write(key, target.dtype, func, rest, kwargs, view))
+    record.writes.append(Write(key, target.dtype, func, rest, kwargs, view))  # type: ignore[union-attr]
+    made = record.made[key]
+    if view is None and made.values is not None:  # written whole: the values it was made with are not needed
+        record.made[key] = Made(made.device, made.shape)
     return target
 
 
@@ -301,7 +323,7 @@ def _key_of(record: Record, tensor: Any) -> tuple[int | None, View | None]:
         return key, None
     key = record.key_of(tensor._base)
     if key is not None:
-        return key, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        return key, (tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
     return None, None
 
 

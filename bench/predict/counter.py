@@ -179,8 +179,10 @@ class MemoryCounter(TorchDispatchMode):
         for tensor in storage_tensors(leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
             if tensor.untyped_storage() in self._apart:
                 continue  # written in place into memory counted apart (a copy_ into pinned host memory)
+            if tensor.is_meta:
+                continue  # holds no memory (a deferred build's parameters)
             self.track(tensor, op)
-            if func.is_view and op != "detach" and not tensor.is_meta:  # a detached tensor keeps no base alive: not a view to autograd
+            if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
                 self.records[self._record_of[tensor.untyped_storage()]].viewed = True
         return out
 
