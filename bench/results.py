@@ -325,13 +325,14 @@ def _set_aside(path: Path, err: Exception) -> None:
           "its cell will run again", file=sys.stderr)
 
 
-def published_rows(results_dir: Path, run_id: str) -> dict[str, dict[str, Any]]:
-    """row key -> row of the run's published table (results/*/runs/RUN_ID.parquet), if there is one:
-    what a run published from another machine (raw rows are not committed) already finished."""
+def published_rows(results_dir: Path, run_id: str, folder: str = "runs") -> dict[str, dict[str, Any]]:
+    """row key -> row of the run's published table (results/*/FOLDER/RUN_ID.parquet: runs/ measured,
+    predicted/ predicted), if there is one: what a run published from another machine (raw rows are
+    not committed) already finished."""
     import pandas as pd
 
     rows: dict[str, dict[str, Any]] = {}
-    for path in sorted(results_dir.glob(f"*/runs/{run_id}.parquet")):
+    for path in sorted(results_dir.glob(f"*/{folder}/{run_id}.parquet")):
         frame = pd.read_parquet(path)
         for record in frame.to_dict("records"):
             row = {k: None if v is pd.NA or v is None or v != v else v for k, v in record.items()}  # v != v: NaN

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -402,6 +403,14 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert narrowed.returncode == 0 and "ok          tiny-llama_s64_b2_zero2" in narrowed.stdout
     again_table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     assert list(again_table["cell_id"]) == list(table["cell_id"])  # --only adds to the run's table, never shrinks it
+    shutil.rmtree(workdir / "results" / "raw" / "p1")  # a clone: the published table, no raw rows
+    cloned = run_bench(workdir, "predict", "p", "--run-id", "p1", "--only", "*_fsdp_*", "--redo")
+    assert cloned.returncode == 0 and "ok          tiny-llama_s64_b2_fsdp" in cloned.stdout
+    assert "ok          tiny-llama_s64_b2_zero2" not in cloned.stdout  # resumed from the table
+    cloned_table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
+    assert list(cloned_table["cell_id"]) == list(table["cell_id"])
+    assert cloned_table.set_index("cell_id").loc[rows[("zero2", 1)]["cell_id"], "peak_allocated_gib"] == \
+        again_table.set_index("cell_id").loc[rows[("zero2", 1)]["cell_id"], "peak_allocated_gib"]
 
     for args, message in ((("predict", "nope"), "nope"), (("predict", "p", "--only", "*zzz*"), "matches no cell"),
                           (("predict", "p", "--gpu", "h900"), "unknown GPU kind 'h900'"),

@@ -1,7 +1,8 @@
 """Predicting a matrix's cells: many cells per process, each row written as soon as it is known.
 
     results/raw/<run_id>/<cell_id>.json          one predicted row per cell, atomic (a re-run resumes)
-    results/<matrix>/predicted/<run_id>.parquet  the run's table (results.PREDICTED), same cell ids as measured
+    results/<matrix>/predicted/<run_id>.parquet  the run's table (results.PREDICTED), same cell ids as measured;
+                                                 a run resumes from it too (raw rows are not committed)
 
 Cells are planned as the GPU run would plan them (device cuda, every optional package present), so
 their ids are the measured cells' ids. A cell the plan skips (excluded, a rule on its shape) is a
@@ -60,8 +61,14 @@ def run(planned: list[PlannedCell], opts: PredictOptions, provenance: dict[str, 
     """Predicts every planned cell not yet in the run; returns the run's rows of these cells."""
     raw_dir = opts.results_dir / "raw" / opts.run_id
     with results.run_lock(raw_dir):
-        rows = results.read_raw(raw_dir, results.PREDICTED)
-        return _run(planned, rows, raw_dir, opts, provenance, report)
+        return _run(planned, known_rows(opts), raw_dir, opts, provenance, report)
+
+
+def known_rows(opts: PredictOptions) -> dict[str, dict[str, Any]]:
+    """Every row the run has: its published table's (a clone resumes a published run without its raw
+    rows), under the raw rows of this machine."""
+    published = results.published_rows(opts.results_dir, opts.run_id, folder="predicted")
+    return {**published, **results.read_raw(opts.results_dir / "raw" / opts.run_id, results.PREDICTED)}
 
 
 def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: Path, opts: PredictOptions,
@@ -79,8 +86,8 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
 
 def write_table(opts: PredictOptions, matrix: MatrixSpec) -> Path:
     """The run's table: every row the run has, not only those this invocation predicted (a run
-    resumed with --only adds to its table), in the matrix's plan order."""
-    rows = results.read_raw(opts.results_dir / "raw" / opts.run_id, results.PREDICTED)
+    resumed with --only adds to its table, a published one too), in the matrix's plan order."""
+    rows = known_rows(opts)
     order = {pc.cell.cell_id: i for i, pc in enumerate(plan(matrix, None))}
     ordered = sorted(rows.values(), key=lambda r: (order.get(r["cell_id"], len(order)), r["cell_id"]))
     path = opts.results_dir / matrix.name / "predicted" / f"{opts.run_id}.parquet"
