@@ -212,6 +212,9 @@ def materialize(model: Any, record: Record, device: str) -> None:
         record.replay_generators(device)
         for write in record.writes:  # every write, also into parameters since dropped: the streams advance alike
             _replay(write, record.made[write.key], holders.get(write.key, []), device)
+    # The replay's whole-parameter temporaries are this suite's way to make random weights, not the
+    # technique's (a real run loads a checkpoint): their cached blocks must not shape training's cache.
+    torch.cuda.empty_cache()
 
 
 def _replay(write: Write, made: Made, holders: list[Any], device: str) -> None:

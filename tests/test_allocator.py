@@ -96,3 +96,23 @@ def test_expandable_segments_unmap_free_pages_and_retry_before_an_oom() -> None:
     assert retried.oom_at is None and retried.retries == 1 and retried.reserved_bytes == 2 * MIB
     failed = _reserved(("malloc", 0, 30), ("malloc", 1, 15), capacity_mib=40, expandable=True)
     assert failed.oom_at == 1
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_empty_cache_releases_every_free_segment(expandable: bool) -> None:
+    """torch.cuda.empty_cache() (a "release" event, bench/deferred.py's after its replay): the cached 30 MiB
+    go back to CUDA, a block still in use keeps its segment, and the next request maps anew."""
+    state = _reserved(("malloc", 0, 30), ("malloc", 1, 0.5), ("free", 0, 30), ("release", -1, 0),
+                      expandable=expandable)
+    assert state.reserved_bytes == 2 * MIB and state.peak_reserved_bytes == ((40 if expandable else 30) + 2) * MIB
+    kept = _reserved(("malloc", 0, 30), ("free", 0, 30), ("malloc", 1, 30), expandable=expandable)
+    assert kept.reserved_bytes == (40 if expandable else 30) * MIB  # without the release, the cached block
+
+
+def test_a_release_is_placed_in_the_trace_where_the_counter_saw_it() -> None:
+    from bench.predict.counter import Record
+
+    records = [Record(1024, 0, "x", "a", freed=1), Record(2048, 2, "x", "b")]
+    assert allocator.trace(records, releases=[2]) == [("malloc", 0, 1024), ("free", 0, 1024), ("release", -1, 0),
+                                                      ("malloc", 1, 2048)]
+    assert allocator.positions(records, [2, 3], releases=[2]) == [3, 4]

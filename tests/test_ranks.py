@@ -65,6 +65,7 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
         assert evidence["fsdp_world_size"] == key[0]
         assert evidence["fsdp_units"] == 2 + 1  # tiny-llama's two decoder layers and the root
         assert evidence["fsdp_sharded_params"] == evidence["fsdp_params"] > 0
+        assert evidence["fsdp_init"] == "deferred"  # built on meta, each rank's shards initialised as a plain build
         assert row["tokens_per_step"] == 2 * 64  # both ranks together
     two = rows[(2, "fsdp")]
     per_rank = json.loads(two["per_rank_json"])

@@ -15,7 +15,8 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large pool);
 - a freed block merges with free neighbours of its segment and returns to its pool (never to CUDA);
 - when a new segment would not fit on the card, every fully free segment is released and the
-  request retried; if it still does not fit, the allocator raises an OOM.
+  request retried; if it still does not fit, the allocator raises an OOM;
+- `torch.cuda.empty_cache()` (a "release" event) releases every fully free segment too.
 
 With `expandable_segments:True` (ExpandableReplay) each pool is one virtual address range whose
 physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
@@ -144,6 +145,10 @@ class Replay:
     def _fits(self, size: int) -> bool:
         return self.capacity_bytes is None or self.reserved_bytes + size <= self.capacity_bytes
 
+    def release(self) -> None:
+        """torch.cuda.empty_cache()."""
+        self._release_cached()
+
     def _release_cached(self) -> None:
         """cudaFree every segment that is one free block (release_cached_blocks)."""
         for segment, head in list(self._heads.items()):
@@ -226,6 +231,10 @@ class ExpandableReplay:
             return spans[_merge_around(spans, i)]
         return None
 
+    def release(self) -> None:
+        """torch.cuda.empty_cache()."""
+        self._unmap_free_pages()
+
     def _unmap_free_pages(self) -> None:
         """release_cached_blocks: every whole page inside a free block is unmapped."""
         for small, spans in self._spans.items():
@@ -269,11 +278,12 @@ def segment_size(nbytes: int) -> int:
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
-def trace(records: Iterable[Any]) -> list[tuple[str, int, int]]:
+def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int]]:
     """The counter's records (bench/predict/counter.py) as the allocator saw them, in order: each
     allocation and free; a free before an allocation of the same instant (a gradient summed in place
-    takes over its operand's block); records that never counted left out."""
-    events = []
+    takes over its operand's block); records that never counted left out. `releases`: the counter's
+    event counts at which the cache was emptied (torch.cuda.empty_cache), a "release" event each."""
+    events = [(at, -1, "release", -1, 0) for at in releases]
     for ident, record in enumerate(records):
         if record.made < 0 or record.freed == record.made:
             continue
@@ -283,16 +293,18 @@ def trace(records: Iterable[Any]) -> list[tuple[str, int, int]]:
     return [(kind, ident, nbytes) for _, _, kind, ident, nbytes in sorted(events)]
 
 
-def positions(records: list[Any], event_counts: list[int]) -> list[int]:
+def positions(records: list[Any], event_counts: list[int], releases: Iterable[int] = ()) -> list[int]:
     """For each event count of the counter (e.g. where a step ended), how many trace events precede it."""
     made = sorted(r.made for r in records if r.made >= 0 and r.freed != r.made)
     freed = sorted(r.freed for r in records if r.made >= 0 and r.freed is not None and r.freed != r.made)
-    return [bisect.bisect_left(made, end) + bisect.bisect_left(freed, end) for end in event_counts]
+    released = sorted(releases)
+    return [bisect.bisect_left(made, end) + bisect.bisect_left(freed, end) + bisect.bisect_right(released, end)
+            for end in event_counts]
 
 
 def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = None,
            samples: Iterable[int] = (), expandable: bool = False) -> Replay | ExpandableReplay:
-    """Replays ("malloc" | "free", id, bytes) events in order; stops at the first OOM. `samples`:
+    """Replays ("malloc" | "free" | "release", id, bytes) events in order; stops at the first OOM. `samples`:
     after how many events to read reserved memory (Replay.samples). `expandable`: with
     expandable_segments (ExpandableReplay)."""
     state: Replay | ExpandableReplay = ExpandableReplay(capacity_bytes) if expandable else Replay(capacity_bytes)
@@ -305,6 +317,9 @@ def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = 
             wanted.pop(0)
         if kind == "free":
             state.free(live.pop(ident))
+            continue
+        if kind == "release":
+            state.release()
             continue
         block = state.malloc(nbytes)
         if block is None:

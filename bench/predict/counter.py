@@ -132,6 +132,7 @@ class MemoryCounter(TorchDispatchMode):
         self.host_peak_bytes = 0  # the most host memory held at once: pinned blocks created + pageable alive
         self._apart: WeakIdKeyDictionary = WeakIdKeyDictionary()  # such storages -> their pool
         self._apart_pool: str | None = None
+        self.releases: list[int] = []  # event counts at which torch.cuda.empty_cache() emptied the cache
 
     def __enter__(self) -> MemoryCounter:
         # FSDP frees a unit's gathered parameters by resizing their storage to nothing, and gathers them
@@ -143,7 +144,14 @@ class MemoryCounter(TorchDispatchMode):
             self.resized(storage)
             return out
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-        self._unpatch = lambda: setattr(torch.UntypedStorage, "resize_", original)
+        # the cache emptied (bench/deferred.py does, after its replay): the allocator replay releases it
+        empty_cache = torch.cuda.empty_cache
+        torch.cuda.empty_cache = lambda: self.releases.append(self.events)
+
+        def unpatch() -> None:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+            torch.cuda.empty_cache = empty_cache
+        self._unpatch = unpatch
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

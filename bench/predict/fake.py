@@ -161,8 +161,8 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
     cell would need)."""
     expandable = "expandable_segments" in cell.stack.names  # pages mapped on demand (allocator.ExpandableReplay)
-    events = allocator.trace(counter.records)
-    at_steps = allocator.positions(counter.records, [s.event for s in counter.steps])
+    events = allocator.trace(counter.records, counter.releases)
+    at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
     state = allocator.replay(events, samples=at_steps, expandable=expandable)
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:

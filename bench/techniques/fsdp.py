@@ -7,6 +7,9 @@ master weights and Adam states, computing in bf16 and reducing gradients in fp32
 does: compare like with like); `pure` (default) keeps everything bf16, like the baseline. With
 `offload(params=true)`, FSDP's CPUOffloadPolicy keeps the sharded parameters, gradients and
 optimizer state in host RAM and steps the optimizer on the CPU.
+Built as FSDP recipes build (bench/deferred.py): on the meta device, sharded, then each rank's
+shards made and initialised, so no GPU ever holds the whole model (the weights are still a plain
+build's of the same seed, bit for bit).
 Costs: an all-gather per layer in forward and in backward and a reduce-scatter of gradients
 (communication, on one GPU still the bookkeeping); with offload, PCIe traffic and a CPU optimizer step.
 """
