@@ -254,3 +254,34 @@ def test_fsdp_and_its_cpu_offload_allocate_what_their_prediction_says(workdir: P
         assert row["peak_allocated_gib"] == pytest.approx(guess["peak_allocated_gib"], rel=0.02), cell_id
         if "offload" in cell_id:
             assert row["host_rss_peak_gib"] == pytest.approx(guess["host_peak_gib"], rel=0.10), cell_id
+
+
+def test_a_deferred_fsdp_build_on_cuda_draws_a_plain_builds_weights() -> None:
+    """bench/deferred.py on CUDA: the replay draws the CUDA generator as a plain build on the GPU does, so
+    every weight of an FSDP2 cell equals the plain build's, bit for bit; the build's own peak is the
+    model plus its largest parameter (one rank: the shards are the model), and the replay's cache is
+    emptied after."""
+    from bench import distributed, spec, trainer
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+    from conftest import REPO
+
+    matrix = spec.get(REPO / "matrix.yaml", "smoke")
+    plain = trainer.build_model(make_cell(matrix, "cuda", "llama-3.2-1b", 64, 1, parse_stack("baseline"))).model
+    want = {name: p.detach().cpu() for name, p in plain.named_parameters()}
+    largest = max(p.numel() * p.element_size() for p in plain.parameters())
+    del plain
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        model = trainer.build(make_cell(matrix, "cuda", "llama-3.2-1b", 64, 1, parse_stack("fsdp"))).engine.model
+        peak = torch.cuda.max_memory_allocated()
+        got = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert torch.cuda.memory_reserved() < model_bytes + largest  # the replay's temporaries released
+    finally:
+        distributed.shutdown()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert peak <= model_bytes + largest + 64 * 2**20
