@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 7  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
+SCHEMA_VERSION = 8  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
 # 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked),
-# the phase timeline and the step trace; 7: host RSS around the checkpoint save
+# the phase timeline and the step trace; 7: host RSS around the checkpoint save; 8: segments_json
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -108,6 +108,9 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
                                    "and optimizer, the last measured step's, and the save (JSON list in order)"),
     ("step_trace_json", "str", "after every step, warm-up first: its stage, its positions per row (the batch's "
                                "padded length), and on the GPU allocated_gib and reserved_gib (JSON list)"),
+    ("segments_json", "str", "GPU: the caching allocator's segments once the measured steps have run, before any "
+                             "save (torch.cuda.memory_snapshot): per pool (large, small), [size in bytes, how many] "
+                             "(bench/segments.py); what made peak_reserved_gib unless the cache was released since"),
     ("per_rank_json", "str", "multi-GPU cells: each rank's memory counters and time (JSON list, rank order)"),
     ("gpu_name", "str", "first visible GPU (NVML)"),
     ("gpu_count", "int", "visible GPUs"),
@@ -132,9 +135,9 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 5  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 6  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
-# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns
+# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -210,6 +213,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("step_trace_json", "str", "PREDICTED after each step run: its stage, positions per row, allocated_gib and "
                                "reserved_gib (the allocator's model); every step with dynamic_padding, else the first "
                                "and one steady step (JSON list)"),
+    ("segments_json", "str", "PREDICTED segments the allocator holds after the last step run: per pool (large, "
+                             "small), [size in bytes, how many], as measured rows have them (bench/segments.py); "
+                             "empty with expandable_segments and for hybrids"),
     ("predict_s", "float", "time this cell's prediction took (build + fake steps), s"),
     *_PROVENANCE,
     ("started_at", "str", "UTC time the prediction started (ISO 8601)"),

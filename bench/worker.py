@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import data, distributed, measure, results, trainer
+from . import data, distributed, measure, results, segments, trainer
 from .cells import Cell
 from .engines import Engine
 from .measure import GIB
@@ -181,6 +181,8 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
         torch.cuda.synchronize()
     out["build_s"] = time.perf_counter() - started
     losses, step_s, out["first_step_s"], out["warmup_s"] = _loop(job, batches, tracker)
+    if cell.device == "cuda":  # before a save adds its own: what the predictor's replay has at this point
+        out["segments_json"] = segments.from_snapshot(torch.cuda.memory_snapshot(), torch.cuda.current_device())
     out["evidence_json"] = json.dumps(job.evidence, sort_keys=True)  # with what the step hooks added
     if cell.checkpoint != "none":
         out.update(_checkpoint(job.engine, cell.checkpoint, tracker, cell.device == "cuda"))

@@ -285,3 +285,27 @@ def test_a_deferred_fsdp_build_on_cuda_draws_a_plain_builds_weights() -> None:
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
     assert peak <= model_bytes + largest + 64 * 2**20
+
+
+def test_the_segments_the_gpu_holds_are_the_ones_the_prediction_holds(workdir: Path) -> None:
+    """Segment by segment (bench/segments.py): after the measured steps, the allocator's own list
+    (torch.cuda.memory_snapshot) reserves what reserved memory says, and the prediction's replay holds
+    the same segments (pool and size) for most of those bytes."""
+    import json
+
+    from bench import segments
+
+    write_matrix(workdir, """
+    matrices:
+      s: {device: cuda, models: [llama-3.2-1b], seq_lens: [1024], batch_sizes: [1], stacks: [baseline, gc, lora],
+          steps: {warmup: 1, measure: 2}}
+    """)
+    for command in ("run", "predict"):
+        proc = run_bench(workdir, command, "s", "--run-id", command, *(("--gpu", "h100") if command == "predict" else ()))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    predicted = raw_rows(workdir, "predict")
+    for cell_id, row in raw_rows(workdir, "run").items():
+        assert row["status"] == "ok", row["error"]
+        last_reserved_gib = json.loads(row["step_trace_json"])[-1]["reserved_gib"]
+        assert segments.total_bytes(row["segments_json"]) == pytest.approx(last_reserved_gib * 2**30, rel=1e-6)
+        assert segments.matched_share(row["segments_json"], predicted[cell_id]["segments_json"]) >= 0.9, cell_id

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from bench import spec
+from bench import segments, spec
 from bench.cells import make_cell
 from bench.predict import fake, gpus
 from bench.predict.counter import BLOCK_BYTES, MemoryCounter, Workspaces
@@ -396,6 +396,10 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert base["device_peak_gib"] == pytest.approx(base["peak_reserved_gib"] + 0.749)
     assert base["headroom_gib"] == pytest.approx(79.647 - base["device_peak_gib"])
     assert [step["stage"] for step in json.loads(base["step_trace_json"])] == ["first_step", "measure"]
+    # the segments held after the last step reserve what the replay had reserved then
+    last_reserved_gib = json.loads(base["step_trace_json"])[-1]["reserved_gib"]
+    assert segments.total_bytes(base["segments_json"]) == pytest.approx(last_reserved_gib * 2**30)
+    assert rows[("zero2", 1)]["segments_json"] is None  # a hybrid's reserved is no replay's
 
     again = run_bench(workdir, "predict", "p", "--run-id", "p1")  # resumes: nothing predicted twice
     assert again.returncode == 0 and "ok          tiny-llama" not in again.stdout

@@ -149,6 +149,10 @@ class Replay:
         """torch.cuda.empty_cache()."""
         self._release_cached()
 
+    def held_segments(self) -> list[tuple[str, int]]:
+        """(pool, size) of every segment held now, as torch.cuda.memory_snapshot() names the pools."""
+        return [("small" if self._heads[segment].small else "large", size) for segment, size in self.segments.items()]
+
     def _release_cached(self) -> None:
         """cudaFree every segment that is one free block (release_cached_blocks)."""
         for segment, head in list(self._heads.items()):

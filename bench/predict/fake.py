@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from .. import data, distributed, measure, models, trainer
+from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
 from . import allocator, bnb, cce, ddp, fsdp_offload, hybrid, liger, save
 from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
@@ -173,6 +173,8 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
             state = bounded
             out["alloc_retries"] = bounded.retries
     out["peak_reserved_gib"] = state.peak_reserved_bytes / measure.GIB
+    if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
+        out["segments_json"] = segments.to_json(state.held_segments())
     if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
         managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import results
+from .. import results, segments
 from ..views import by_cell
 
 
@@ -112,8 +112,21 @@ def _summary(both: pd.DataFrame, n_unsupported: int, n_missing: int) -> list[str
                 lines.append(f"| {name} | {len(err)} | {err.median():.3%} | {err.max():.3%} | {(err > 0.01).sum()} | "
                              f"{(err > 0.03).sum()} |")
         lines += ["", f"Mean allocated error {both['error_gib'].mean():+.4f} GiB; seconds per cell (median / max): "
-                      f"{seconds.median():.1f} / {seconds.max():.1f}."]
+                      f"{seconds.median():.1f} / {seconds.max():.1f}.", "", _segments(both)]
     return [*lines, ""]
+
+
+def _segments(both: pd.DataFrame) -> str:
+    """Segment by segment: how much of reserved memory sits in segments both sides hold (bench/segments.py)."""
+    have = both[both["segments_json"].notna() & both["segments_json_predicted"].notna()]
+    if have.empty:
+        return ("Segment by segment (`segments_json`: the allocator's segments once the steps have run, bench/segments.py): "
+                "no measured cell records its segments yet; cells measured from now on do.")
+    shares = pd.Series([segments.matched_share(m, p) for m, p in
+                        zip(have["segments_json"], have["segments_json_predicted"], strict=True)])
+    return (f"Segment by segment (`segments_json`, bench/segments.py): in {len(have)} cells, the share of reserved bytes "
+            f"in segments both the GPU and the prediction hold (same pool, same size): median {shares.median():.1%}, "
+            f"lowest {shares.min():.1%}.")
 
 
 # How a prediction was made, as PREDICTION.md groups them: (label, rows of that kind)
