@@ -302,8 +302,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def _print_prediction(cell: cells.Cell, row: dict) -> None:
     if row["status"] == "ok":
-        detail = (f"peak allocated {row['peak_allocated_gib']:.2f} GiB in {row['peak_phase']} ({row['peak_op']}), "
-                  f"{row['predict_s']:.1f} s")
+        op = f" ({row['peak_op']})" if row.get("peak_op") else ""
+        detail = f"peak allocated {row['peak_allocated_gib']:.2f} GiB in {row['peak_phase']}{op}, {row['predict_s']:.1f} s"
         if row.get("host_peak_gib") is not None:
             verdict = {True: "", False: ": host_oom", None: ""}[row.get("host_fits")]
             detail += f", host {row['host_peak_gib']:.1f} GiB{verdict}"

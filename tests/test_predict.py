@@ -200,6 +200,22 @@ def test_a_zero_cell_is_deepspeeds_model_states_plus_the_fake_runs_other_bytes(
         assert found["host_peak_gib"] == pytest.approx(host_b_per_param * params / 2**30 + ranks * 1.53)
 
 
+def test_a_zero3_cell_whose_whole_model_outweighs_training_peaks_at_its_build() -> None:
+    """The trainer builds the whole 16-bit model on the GPU before DeepSpeed partitions it: with the
+    parameters offloaded, ZeRO-3 trains in less than that, so the build is the peak (and the cache
+    holds at least the build's segments)."""
+    from bench import trainer
+
+    cell = make_cell(SMOKE, "cuda", "llama-3.2-3b", 256, 1, parse_stack("gc + offload(params=true) + zero3"))
+    found = fake.predict_cell(cell, gpus.get("h100"))
+    assert found["status"] == "ok", found.get("error")
+    meta = trainer.build_model(cell, device="meta").model
+    whole_gib = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers())) / 2**30
+    assert found["peak_phase"] == "build" and found["peak_allocated_gib"] == pytest.approx(whole_gib, rel=1e-4)
+    assert found["model_states_gib"] + found["buckets_gib"] < whole_gib  # what training holds is less
+    assert found["peak_reserved_gib"] >= found["peak_allocated_gib"]
+
+
 SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:full", "zero2:model", "zero3:full",
          "zero3:model", "fsdp:full", "fsdp:model", "fsdp(precision=mixed):model", "gc + lora + fsdp:model")
 

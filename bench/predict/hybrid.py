@@ -16,7 +16,9 @@ so a ZeRO cell's memory is assembled from two sources:
   elements of 16-bit gradients, the configured or default size).
 
 Peak reserved adds the fake run's own reserved-minus-allocated (the allocator's caching) to the
-hybrid allocated figure. All of it is an estimate until ZeRO cells are measured
+hybrid allocated figure. And the build: the trainer builds the whole model on every rank's GPU and
+DeepSpeed partitions it only then (ZeRO-3), so where the whole 16-bit model outweighs training (ZeRO-3
+with its parameters offloaded), the peak is the build's. All of it is an estimate until ZeRO cells are measured
 on a GPU: PREDICTION.md reports its error as soon as they are.
 """
 
@@ -28,8 +30,8 @@ from typing import Any
 from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack
-from . import save
-from .counter import MemoryCounter, Peak
+from . import allocator, save
+from .counter import BLOCK_BYTES, MemoryCounter, Peak
 from .gpus import GpuKind
 
 METHOD = "hybrid/1"
@@ -47,6 +49,21 @@ class ModelStates:
     gpu_bytes: int  # per GPU
     host_bytes: int  # the host's, all ranks of the cell together
     bucket_bytes: int  # the gradient reduction bucket, per GPU
+
+
+@dataclass(frozen=True)
+class Build:
+    """The model as the trainer builds it on each rank's GPU, whole, before DeepSpeed takes it, bytes."""
+
+    allocated_bytes: int
+    reserved_bytes: int  # its parameters and buffers, made one after another, through the allocator's model
+
+    @classmethod
+    def of(cls, model: Any) -> Build:
+        sizes = [-(-t.numel() * t.element_size() // BLOCK_BYTES) * BLOCK_BYTES
+                 for t in (*model.parameters(), *model.buffers())]
+        made = allocator.replay([("malloc", i, n) for i, n in enumerate(sizes)])
+        return cls(sum(sizes), made.peak_reserved_bytes)
 
 
 def is_hybrid(cell: Cell) -> bool:
@@ -98,9 +115,11 @@ def largest_layer_params(model: Any) -> int:
 MODEL_STATE_ROLES = ("weight", "gradient", "optimizer_state")  # what DeepSpeed's accounting replaces
 
 
-def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStates, gpu: GpuKind) -> dict[str, Any]:
+def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStates, gpu: GpuKind,
+                   build: Build | None = None) -> dict[str, Any]:
     """The hybrid figures: DeepSpeed's model states and bucket, plus the peak of everything else the
-    fake run allocated (activations, temporaries, the batches, workspaces), plus its caching."""
+    fake run allocated (activations, temporaries, the batches, workspaces), plus its caching; or the
+    build's, where the whole model held on the GPU before DeepSpeed partitions it weighs more."""
     allocated = (states.gpu_bytes + states.bucket_bytes + rest.nbytes) / measure.GIB
     out: dict[str, Any] = {
         "prediction_method": METHOD,
@@ -111,6 +130,9 @@ def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStat
         "model_states_gib": states.gpu_bytes / measure.GIB,
         "buckets_gib": states.bucket_bytes / measure.GIB,
     }
+    if build is not None and build.allocated_bytes / measure.GIB > allocated:
+        out.update(peak_phase="build", peak_op=None, peak_allocated_gib=build.allocated_bytes / measure.GIB,
+                   peak_reserved_gib=max(out["peak_reserved_gib"], build.reserved_bytes / measure.GIB))
     if "offload" in cell.stack.names:
         out["host_peak_gib"] = states.host_bytes / measure.GIB + cell.gpus * WORKER_PROCESS_GIB
     if gpu.outside_torch_gib is not None:
@@ -132,7 +154,7 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     meta = trainer.build_model(cell, device="meta").model
     total = sum(p.numel() for p in meta.parameters())
     states = model_states(cell, total, largest_layer_params(meta))
-    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu)
+    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu, Build.of(meta))
     return {**out, **_save(cell, counter, states, [p.numel() for p in meta.parameters()], out),
             "total_params": total, "trainable_params": total, "flops_per_token": built.flops_per_token,
             "allocations": len(counter.records)}
