@@ -1,11 +1,13 @@
 """Deferred initialisation: a model built with its parameters on the meta device, every write into
-them recorded, then replayed into whatever holds them later (FSDP2's shards), one parameter at a time.
+them recorded, then replayed into whatever holds them later (FSDP2's shards, ZeRO-3's partitions), one
+parameter at a time.
 
 Why: a sharding engine must never hold the whole model on one GPU. Built whole and then sharded,
 an FSDP cell's peak on 8 ranks is its build (a 7B model: 30 GiB building against 17 GiB training),
 and a 70B one cannot be built on any card. Real FSDP recipes (torchtitan's) build on meta, shard,
-then `to_empty` and initialise. Initialised afresh, though, the weights would come from another
-random stream than a plain build of the same seed, and an exact engine could no longer be checked
+then `to_empty` and initialise; under ZeRO-3 a checkpoint loads straight into the partitions.
+Initialised afresh, though, the weights would come from another random stream than a plain build of
+the same seed, and an exact engine could no longer be checked
 against the baseline's losses. So the build is recorded instead:
 
 1. `recording(seed)`: while the base model is built, each parameter goes to the meta device as it is
@@ -20,6 +22,8 @@ against the baseline's losses. So the build is recorded instead:
    build would have made it on, and each rank copies its shard out of it. The random streams are
    drawn exactly as a plain build draws them, so the weights are bit for bit a plain build's
    (tested), and at most one whole parameter (the embedding, usually) exists beside the shards.
+   ZeRO-3 (bench/engines/deepspeed.py) gives each parameter its memory and has DeepSpeed partition it
+   at once, then calls `replay`, which opens each parameter (DeepSpeed gathers it) for its writes.
 
 A write the replay cannot repeat (an op that reads the old values, a value computed from another
 meta tensor, a large parameter made with values but never initialised) is an error naming it.
@@ -44,6 +48,7 @@ IN_PLACE_OPERATORS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__
                                 "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
                                 "__irshift__"})
 View = tuple[tuple[int, ...], tuple[int, ...], int]  # (size, stride, storage offset) into a whole parameter
+Opened = Callable[[list[Any]], contextlib.AbstractContextManager[Any]]  # makes parameters writable whole for a while
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class Record:
         with torch.no_grad():
             for write in self.writes:
                 if write.func is not None and self.made[write.key].device == "cpu":
-                    _replay(write, self.made[write.key], [], "cpu")
+                    _replay(write, self.made[write.key], [], "cpu", None)
 
     def key_of(self, tensor: Any) -> int | None:
         return self.keys.get(id(tensor))
@@ -202,34 +207,70 @@ def materialize(model: Any, record: Record, device: str) -> None:
     model.to_empty(device=device)
     for module, name, buf in buffers:
         module._buffers[name] = buf
-    holders = {key: [model.get_parameter(name) for name in names] for key, names in record.names.items()}
     with torch.no_grad():
         for name, values in made_for_real:
             _local(model.get_parameter(name)).copy_(values)
+    replay(model, record, device)
+
+
+def replay(model: Any, record: Record, device: str, opened: Opened | None = None) -> None:
+    """Replays the recorded writes into a model whose parameters have memory again: the kept values, then
+    every write in its order. `opened(params)` makes them writable for the time of one write (ZeRO-3
+    gathers its partitions, bench/engines/deepspeed.py); FSDP's shards are written as they are."""
+    import torch
+
+    holders = {key: [model.get_parameter(name) for name in names] for key, names in record.names.items()}
+    with torch.no_grad():
         for key, made in record.made.items():
             if made.values is not None and key in holders:
-                _copy_shards(holders[key], made.values.to(device), None)
+                with _opened(opened, holders[key]):
+                    _copy_shards(holders[key], made.values.to(device), None)
         record.replay_generators(device)
         for write in record.writes:  # every write, also into parameters since dropped: the streams advance alike
-            _replay(write, record.made[write.key], holders.get(write.key, []), device)
+            _replay(write, record.made[write.key], holders.get(write.key, []), device, opened)
     # The replay's whole-parameter temporaries are this suite's way to make random weights, not the
     # technique's (a real run loads a checkpoint): their cached blocks must not shape training's cache.
     torch.cuda.empty_cache()
 
 
-def _replay(write: Write, made: Made, holders: list[Any], device: str) -> None:
-    """One write: on a temporary of the whole parameter, then copied into each holder's shard; a cast,
-    which rounds each element alone, on the shards themselves."""
+def _replay(write: Write, made: Made, holders: list[Any], device: str, opened: Opened | None) -> None:
+    """One write: on a temporary of the whole parameter, then copied into each holder's shard (or, when
+    `opened` made the parameter whole where the write would make it, straight into it); a cast, which
+    rounds each element alone, on the shards themselves."""
     import torch
 
-    if write.func is None:
-        for param in holders:
-            local = _local(param)
-            local.copy_(local.to(write.dtype))
-        return
-    whole = torch.empty(made.shape, dtype=write.dtype, device=device if made.device == "meta" else made.device)
-    write.func(whole if write.view is None else whole.as_strided(*write.view), *write.args, **write.kwargs)
-    _copy_shards(holders, whole, write.view)
+    with _opened(opened, holders):
+        if write.func is None:
+            for param in holders:
+                local = _local(param)
+                local.copy_(local.to(write.dtype))
+            return
+        on = device if made.device == "meta" else made.device
+        target = _whole_in_place(holders, write, made, on) if opened is not None else None
+        whole = target if target is not None else torch.empty(made.shape, dtype=write.dtype, device=on)
+        write.func(whole if write.view is None else whole.as_strided(*write.view), *write.args, **write.kwargs)
+        if target is None:
+            _copy_shards(holders, whole, write.view)
+
+
+def _whole_in_place(holders: list[Any], write: Write, made: Made, device: str) -> Any:
+    """The one opened parameter, if a write into all of it can draw into it what it would draw into a
+    temporary: the whole shape, same dtype and device, contiguous. Else None (a temporary takes the write)."""
+    import torch
+
+    unique = list({id(p): p for p in holders}.values())
+    if write.view is not None or len(unique) != 1:
+        return None
+    local = _local(unique[0])
+    fits = (tuple(local.shape) == made.shape and local.dtype == write.dtype and not local.is_meta
+            and local.device.type == torch.device(device).type and local.is_contiguous())
+    return local if fits else None
+
+
+def _opened(opened: Opened | None, params: list[Any]) -> contextlib.AbstractContextManager[Any]:
+    """`opened` over each parameter once (a tied one has several names), or nothing to open."""
+    unique = list({id(p): p for p in params}.values())
+    return opened(unique) if opened is not None and unique else contextlib.nullcontext()
 
 
 def _recorded(param: Any, record: Record) -> Any:

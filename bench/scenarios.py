@@ -225,11 +225,11 @@ def _eight_gpus(sources: Sources, ranks: list[cells.Cell]) -> str:
 
 
 def _built_whole(figure: Figure) -> str:
-    """Where an FSDP cell peaks while it is built: each rank builds the whole model on its GPU before
-    sharding it (the suite's build), so that is the peak; what training itself needs follows."""
+    """Where an FSDP cell peaks while it is built (rows from before the deferred build, bench/deferred.py,
+    held the whole model on each rank's GPU before sharding it), that is said; what training needs follows."""
     if not str((figure.row or {}).get("peak_phase", "")).startswith("build"):
         return ""
-    return (f", at its build: each rank holds the whole model on its GPU before sharding it; training itself "
+    return (f", at its build; training itself "
             f"peaks at {figure.quote(figure.gib('steady_peak_allocated_gib'))}")
 
 

@@ -13,9 +13,10 @@ build follows the stack's phase order:
 5. the engine (bench/engines/): plain PyTorch, DeepSpeed or FSDP2 wraps the model and owns
    backward, the optimizer step and checkpoint saves.
 
-For FSDP2, steps 3-4 keep the parameters on the meta device and record how they were initialised
-(bench/deferred.py); the engine shards the meta model and replays the record into each shard, as
-real FSDP recipes build: no GPU ever holds the whole model, and the weights are a plain build's.
+For FSDP2 and ZeRO-3 (`setup.build_on_meta`), steps 3-4 keep the parameters on the meta device and
+record how they were initialised (bench/deferred.py); the engine shards the meta model and replays
+the record into each shard, as real FSDP recipes build and as a checkpoint loads under ZeRO-3: no GPU
+ever holds the whole model, and the weights are a plain build's.
 
 `build_model` (1-4) and `wrap` (5) are separate so the worker can read the weights' footprint in
 between; `build` does both. `Trainer.step` is one optimizer step.
@@ -38,7 +39,6 @@ from .techniques.base import Evidence, Options
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 Uses = tuple[tuple[Technique, Options], ...]
 BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with
-DEFERRED_ENGINES = ("fsdp",)  # engines that shard a meta model and replay its init (bench/deferred.py)
 
 
 class Phases(Protocol):
@@ -49,14 +49,14 @@ class Phases(Protocol):
 
 @dataclass(frozen=True)
 class Built:
-    """The model as built and adapted, before an engine wraps it (ZeRO-3 then empties the parameters)."""
+    """The model as built and adapted, before an engine wraps it (and, with a deferred build, gives it memory)."""
 
     model: Any
     device: str  # where it was built: the cell's device, or "meta" for a prediction
     setup: TrainSetup
     uses: Uses
     evidence: Evidence  # what each technique reported when applied
-    deferred: deferred.Record | None  # parameters left on meta, their init recorded (FSDP2: the engine replays it)
+    deferred: deferred.Record | None  # parameters left on meta, their init recorded (FSDP2, ZeRO-3: the engine replays it)
     total_params: int
     trainable_params: int
     weights_gib: float  # bytes of all parameters
@@ -128,7 +128,7 @@ def build_model(cell: Cell, device: str | None = None) -> Built:
     for technique, opts in uses:
         if technique.before_build is not None:
             technique.before_build(cell, opts)
-    recorded = deferred.recording(cell.seed) if setup.engine in DEFERRED_ENGINES else None
+    recorded = deferred.recording(cell.seed) if setup.build_on_meta else None
     with recorded or contextlib.nullcontext() as record:
         model, flops = _base(cell, device, setup, uses)
         if record is not None:

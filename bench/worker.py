@@ -165,7 +165,7 @@ def _train(cell: Cell, tracker: measure.PhaseTracker, out: dict[str, Any]) -> di
 
     started = time.perf_counter()
     built = trainer.build_model(cell)
-    out.update(  # counted before an engine partitions the parameters (ZeRO-3 leaves them empty)
+    out.update(  # counted before an engine shards them (a deferred build's, FSDP2's and ZeRO-3's, are on meta yet)
         flops_per_token=built.flops_per_token,
         total_params=built.total_params,
         trainable_params=built.trainable_params,

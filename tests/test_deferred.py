@@ -1,16 +1,17 @@
-"""Deferred initialisation (bench/deferred.py): an FSDP2 cell's model built on meta, its init recorded and
-replayed into the shards, gives the weights of a plain build of the same seed, bit for bit, and never
-holds the whole model; what cannot be replayed is refused by name."""
+"""Deferred initialisation (bench/deferred.py): an FSDP2 or ZeRO-3 cell's model built on meta, its init
+recorded and replayed into the shards or partitions, gives the weights of a plain build of the same
+seed, bit for bit, and never holds the whole model; what cannot be replayed is refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from bench import deferred, spec, trainer
 from bench.cells import make_cell
-from bench.predict import fake
+from bench.predict import fake, hybrid
 from bench.predict.counter import Workspaces
 from bench.stacks import parse_stack
 from conftest import REPO
@@ -69,6 +70,37 @@ def test_an_fsdp_build_holds_its_shards_and_one_whole_parameter_at_most() -> Non
     shards = sum(p.to_local().untyped_storage().nbytes() for p in built.model.parameters())
     assert counter.phase_peaks["build"] <= shards + largest + 16 * 1024  # + buffers and 512 B blocks
     assert counter.phase_peaks["build"] < 0.6 * model_bytes
+
+
+@pytest.mark.parametrize(("model", "ranks", "tied"), [("tiny-llama", 1, False), ("tiny-qwen2", 8, False),
+                                                      ("tiny-llama", 4, True)])
+def test_a_zero3_build_partitions_a_plain_builds_weights_and_never_holds_the_whole_model(
+        model: str, ranks: int, tied: bool) -> None:
+    """ZeRO-3 on meta (tests/zero3_build.py): each rank's partitions are its slice of a plain build, bit
+    for bit, a tied pair stays one parameter, and the engine never holds more than its partitions and
+    one whole parameter (the one being initialised; 512 B blocks aside)."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "zero3_build.py"), model, str(ranks),
+                           *(["tied"] if tied else [])], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["differing"] == []
+    assert found["distinct_params"][0] == found["distinct_params"][1]
+    assert found["partition_bytes"] == pytest.approx(found["model_bytes"] / ranks, rel=0.01)
+    assert found["partition_bytes"] <= found["peak_bytes"] <= \
+        found["partition_bytes"] + found["largest_param_bytes"] + 8 * 1024
+    if ranks > 1:
+        assert found["peak_bytes"] < 0.75 * found["model_bytes"]
+    # what the hybrid prediction (bench/predict/hybrid.py) says the build holds, its buffers aside
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", model, 64, 2, parse_stack("zero3")), gpus=ranks)
+    meta = trainer.build_model(cell, device="meta").model
+    if tied:
+        meta.lm_head.weight = meta.model.embed_tokens.weight
+    buffers = sum(-(-b.numel() * b.element_size() // 512) * 512 for b in meta.buffers())
+    assert hybrid.Build.of(meta, cell).allocated_bytes - buffers == pytest.approx(found["peak_bytes"], abs=1024)
 
 
 def _record(build) -> deferred.Record:

@@ -309,3 +309,44 @@ def test_the_segments_the_gpu_holds_are_the_ones_the_prediction_holds(workdir: P
         last_reserved_gib = json.loads(row["step_trace_json"])[-1]["reserved_gib"]
         assert segments.total_bytes(row["segments_json"]) == pytest.approx(last_reserved_gib * 2**30, rel=1e-6)
         assert segments.matched_share(row["segments_json"], predicted[cell_id]["segments_json"]) >= 0.9, cell_id
+
+
+def test_a_deferred_zero3_build_on_cuda_holds_one_parameter_and_draws_a_plain_builds_weights() -> None:
+    """ZeRO-3 with its parameters offloaded, on CUDA (bench/engines/deepspeed.py): while the model is
+    partitioned and its init replayed, the GPU holds one whole parameter at a time (what the hybrid
+    prediction's build says, bench/predict/hybrid.py); every weight equals the plain GPU build's."""
+    pytest.importorskip("deepspeed")
+    import deepspeed
+
+    from bench import distributed, spec, trainer
+    from bench.cells import make_cell
+    from bench.engines import EngineJob
+    from bench.engines import deepspeed as deepspeed_engine
+    from bench.predict import hybrid
+    from bench.stacks import parse_stack
+    from conftest import REPO
+
+    matrix = spec.get(REPO / "matrix.yaml", "smoke")
+    plain = trainer.build_model(make_cell(matrix, "cuda", "llama-3.2-1b", 64, 1, parse_stack("baseline"))).model
+    want = {name: p.detach().cpu() for name, p in plain.named_parameters()}
+    del plain
+    torch.cuda.empty_cache()
+    cell = make_cell(matrix, "cuda", "llama-3.2-1b", 64, 1, parse_stack("offload(params=true) + zero3"))
+    predicted = hybrid.Build.of(trainer.build_model(cell, device="meta").model, cell).allocated_bytes
+    try:
+        built = trainer.build_model(cell)
+        distributed.init(True)
+        deepspeed.init_distributed(dist_backend="nccl")
+        torch.cuda.reset_peak_memory_stats()
+        job = EngineJob(cell, built.setup, built.uses, built.model, (), built.device, built.deferred)
+        deepspeed_engine._partition_deferred(job, deepspeed_engine.config(built.uses, built.setup, 1))
+        peak = torch.cuda.max_memory_allocated()  # the buffers, made at the build, included
+        params = list(built.model.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            got = {name: p.detach().cpu() for name, p in built.model.named_parameters()}
+    finally:
+        distributed.shutdown()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert peak == pytest.approx(predicted, abs=2**20)

@@ -87,7 +87,9 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     for gpus in (1, 2):  # DeepSpeed under torchrun too: world size from torchrun, states partitioned
         zero = rows[(gpus, "zero3")]
         assert zero["status"] == "ok", zero["error"]
-        assert json.loads(zero["evidence_json"])["ds_world_size"] == gpus
+        evidence = json.loads(zero["evidence_json"])
+        assert evidence["ds_world_size"] == gpus
+        assert evidence["ds_init"] == "deferred"  # built on meta, each rank's partitions initialised as a plain build
         assert json.loads(zero["losses_json"])[0] == pytest.approx(base[0], rel=1e-4)
     assert rows[(2, "zero3")]["optimizer_state_gib"] == pytest.approx(rows[(1, "zero3")]["optimizer_state_gib"] / 2, rel=0.05)
 

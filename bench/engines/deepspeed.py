@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import distributed
+from .. import deferred, distributed
 from ..techniques.base import Evidence, Options, Technique, TrainSetup
 from .base import EngineJob
 
@@ -60,7 +60,10 @@ def wrap(job: EngineJob) -> tuple[DeepSpeedEngine, Evidence]:
     distributed.init(cuda)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # adopts the group above
     ds_config = config(job.uses, job.setup, job.cell.batch_size)
-    engine, optimizer, _, _ = deepspeed.initialize(model=job.model, model_parameters=list(job.trainable),
+    if job.deferred is not None:  # ZeRO-3: the partitions get their memory and the build's weights only now
+        _partition_deferred(job, ds_config)
+    trainable = [p for p in job.model.parameters() if p.requires_grad]  # a deferred build's are new objects
+    engine, optimizer, _, _ = deepspeed.initialize(model=job.model, model_parameters=trainable,
                                                    config=copy.deepcopy(ds_config))
     offload_param = engine.zero_offload_param()
     evidence = {
@@ -69,8 +72,50 @@ def wrap(job: EngineJob) -> tuple[DeepSpeedEngine, Evidence]:
         "offload_param": str(offload_param.device.value) if offload_param is not None else "none",
         "ds_world_size": torch.distributed.get_world_size(),
         "ds_optimizer": f"{type(optimizer).__name__}({type(getattr(optimizer, 'optimizer', None)).__name__})",
+        "ds_init": "deferred" if job.deferred is not None else "whole model first",
     }
     return DeepSpeedEngine(engine, optimizer), evidence
+
+
+def _partition_deferred(job: EngineJob, ds_config: dict[str, Any]) -> None:
+    """A meta-built model (bench/deferred.py) partitioned as a checkpoint loads under ZeRO-3: module by
+    module, each parameter is given its memory whole, uninitialised, and partitioned at once by
+    DeepSpeed (as zero.Init given the module does: onto the GPU or, offloaded, the host); then the
+    build's init is replayed into the partitions, each parameter gathered whole (GatheredParameters)
+    and written in place. One whole parameter at most exists beside the partitions (and a temporary
+    for a write in another dtype)."""
+    import deepspeed
+
+    made: dict[int, Any] = {}  # id(meta parameter) -> the parameter with memory (a tied one is made once)
+    converter: Any = None  # DeepSpeed's first converted parameter: it converts the others as its zero.Init would
+    for module in reversed(list(job.model.modules())):  # children first: each parameter is converted once
+        own = [name for name, p in module._parameters.items() if p is not None and not hasattr(p, "ds_id")]
+        for name in own:
+            module._parameters[name] = _with_memory(module._parameters[name], job.device, made)
+        params = [module._parameters[name] for name in own]
+        if params and converter is None:
+            deepspeed.zero.Init(module=module, config_dict_or_path=copy.deepcopy(ds_config))
+            converter = params[0]
+        elif params:
+            converter.convert_to_zero_parameters(param_list=params)
+    deferred.replay(job.model, job.deferred, job.device,
+                    opened=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
+
+
+def _with_memory(param: Any, device: str, made: dict[int, Any]) -> Any:
+    """`param` with uninitialised memory on `device` if it is on meta (a new Parameter: meta data cannot
+    be swapped in place), in bf16 as deepspeed.initialize casts the parameters of a model built whole."""
+    import torch
+
+    if id(param) not in made:
+        dtype = torch.bfloat16 if param.is_floating_point() else param.dtype
+        if param.is_meta:
+            made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                 requires_grad=param.requires_grad)
+        else:
+            param.data = param.data.to(dtype)
+            made[id(param)] = param
+    return made[id(param)]
 
 
 def config(uses: tuple[tuple[Technique, Options], ...], setup: TrainSetup, batch_size: int) -> dict[str, Any]:

@@ -16,10 +16,10 @@ so a ZeRO cell's memory is assembled from two sources:
   elements of 16-bit gradients, the configured or default size).
 
 Peak reserved adds the fake run's own reserved-minus-allocated (the allocator's caching) to the
-hybrid allocated figure. And the build: the trainer builds the whole model on every rank's GPU and
-DeepSpeed partitions it only then (ZeRO-3), so where the whole 16-bit model outweighs training (ZeRO-3
-with its parameters offloaded), the peak is the build's. All of it is an estimate until ZeRO cells are measured
-on a GPU: PREDICTION.md reports its error as soon as they are.
+hybrid allocated figure. And the build (`Build`): where it holds more than training, the peak is the
+build's (ZeRO-3 builds on meta and partitions one parameter at a time, so it never does). All of it
+is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md reports its error as soon as
+they are.
 """
 
 from __future__ import annotations
@@ -53,17 +53,61 @@ class ModelStates:
 
 @dataclass(frozen=True)
 class Build:
-    """The model as the trainer builds it on each rank's GPU, whole, before DeepSpeed takes it, bytes."""
+    """What each rank's GPU holds while the trainer builds the model, before training, bytes. ZeRO-2
+    builds it whole (and keeps it whole). ZeRO-3 builds it on meta, then gives each parameter its memory
+    whole and partitions it at once, then gathers each whole again for its init (bench/engines/
+    deepspeed.py): its partitions (on the host if offloaded) plus one whole parameter at a time."""
 
     allocated_bytes: int
-    reserved_bytes: int  # its parameters and buffers, made one after another, through the allocator's model
+    reserved_bytes: int  # the same allocations through the allocator's model
 
     @classmethod
-    def of(cls, model: Any) -> Build:
-        sizes = [-(-t.numel() * t.element_size() // BLOCK_BYTES) * BLOCK_BYTES
-                 for t in (*model.parameters(), *model.buffers())]
-        made = allocator.replay([("malloc", i, n) for i, n in enumerate(sizes)])
-        return cls(sum(sizes), made.peak_reserved_bytes)
+    def of(cls, model: Any, cell: Cell) -> Build:
+        buffers = [("malloc", -i - 1, _block(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
+        params = list(model.parameters())
+        if "zero3" not in cell.stack.names:
+            events = buffers + [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
+        else:
+            events = buffers + _partitioned(params, cell.gpus, _uses(cell).get("offload", {}).get("params", False))
+        made = allocator.replay(events)
+        return cls(_peak_live(events), made.peak_reserved_bytes)
+
+
+def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
+    """ZeRO-3's build on one rank's GPU: each parameter whole, its partition (unless offloaded), the whole
+    freed; then each gathered whole for its init and freed; then the cache emptied."""
+    events: list[tuple[str, int, int]] = []
+    made = len(params)  # ids past the parameters' for the partitions
+    for i, param in enumerate(reversed(params)):  # converted children first, as the engine walks the modules
+        events.append(("malloc", i, _block(param.numel() * param.element_size())))
+        if not offloaded:
+            events.append(("malloc", made + i, _block(-(-param.numel() // ranks) * param.element_size())))
+        events.append(("free", i, 0))
+    for i, param in enumerate(params):
+        events += [("malloc", i, _block(param.numel() * param.element_size())), ("free", i, 0)]
+    return [*events, ("release", 0, 0)]
+
+
+def _block(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def _peak_live(events: list[tuple[str, int, int]]) -> int:
+    """The most bytes allocated at once along the events."""
+    live: dict[int, int] = {}
+    now = peak = 0
+    for kind, ident, nbytes in events:
+        if kind == "malloc":
+            live[ident] = nbytes
+            now += nbytes
+            peak = max(peak, now)
+        elif kind == "free":
+            now -= live.pop(ident)
+    return peak
+
+
+def _uses(cell: Cell) -> dict[str, Any]:
+    return {u.name: u.opts for u in cell.stack.uses}
 
 
 def is_hybrid(cell: Cell) -> bool:
@@ -92,7 +136,7 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> Mo
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    uses = {u.name: u.opts for u in cell.stack.uses}
+    uses = _uses(cell)
     offload = uses.get("offload", {})
     optimizer_offload, params_offload = bool(offload.get("optimizer")), bool(offload.get("params"))
     if "zero3" in uses:
@@ -103,8 +147,10 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> Mo
         host, gpu = estimate_zero2_model_states_mem_needs(
             total_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
             additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
-    bucket_elements = int(DeepSpeedZeroConfig().reduce_bucket_size)  # the suite sets none: DeepSpeed's default
-    return ModelStates(int(gpu), int(host), min(bucket_elements, total_params) * 2)
+    # The suite sets no bucket size: DeepSpeed's default, allocated whole in 16 bits whatever the model's
+    # size (ZeRO-3 at initialize, ZeRO-2 at each backward; tests/zero_bucket.py sees it on the CPU)
+    bucket_elements = int(DeepSpeedZeroConfig().reduce_bucket_size)
+    return ModelStates(int(gpu), int(host), bucket_elements * 2)
 
 
 def largest_layer_params(model: Any) -> int:
@@ -119,7 +165,7 @@ def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStat
                    build: Build | None = None) -> dict[str, Any]:
     """The hybrid figures: DeepSpeed's model states and bucket, plus the peak of everything else the
     fake run allocated (activations, temporaries, the batches, workspaces), plus its caching; or the
-    build's, where the whole model held on the GPU before DeepSpeed partitions it weighs more."""
+    build's, where it holds more (`Build`)."""
     allocated = (states.gpu_bytes + states.bucket_bytes + rest.nbytes) / measure.GIB
     out: dict[str, Any] = {
         "prediction_method": METHOD,
@@ -154,7 +200,7 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     meta = trainer.build_model(cell, device="meta").model
     total = sum(p.numel() for p in meta.parameters())
     states = model_states(cell, total, largest_layer_params(meta))
-    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu, Build.of(meta))
+    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, [p.numel() for p in meta.parameters()], out),
             "total_params": total, "trainable_params": total, "flops_per_token": built.flops_per_token,
             "allocations": len(counter.records)}

@@ -19,7 +19,8 @@ def technique(stage: int, summary: str) -> Technique:
                 "optimizer": {"params": {"torch_adam": opts["adam"] == "torch"}}}
 
     def configure(setup: TrainSetup, opts: Options) -> TrainSetup:
-        return replace(setup, engine="deepspeed")
+        # ZeRO-3 partitions the parameters, so it builds as a checkpoint loads under it: never whole
+        return replace(setup, engine="deepspeed", build_on_meta=stage == 3)
 
     return Technique(
         name=f"zero{stage}",

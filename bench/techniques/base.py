@@ -43,6 +43,7 @@ class TrainSetup:
     lr: float = 1e-4
     engine: str = "plain"  # plain | deepspeed | fsdp: a module of bench/engines/ that owns backward, step, save
     cpu_offload: bool = False  # the engine keeps sharded state in host RAM (FSDP reads it; DeepSpeed gets a fragment)
+    build_on_meta: bool = False  # the engine shards a meta-built model and replays its init (bench/deferred.py)
     micro_batches: int = 1  # forward/backward passes per optimizer step (gradient accumulation)
     data: str = "full"  # full | pad | dynpad | pack: batch layout (bench/data.py)
     min_doc_frac: float = 0.1  # pad / dynpad / pack: shortest document, as a fraction of seq_len

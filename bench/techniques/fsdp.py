@@ -23,7 +23,7 @@ from .base import Options, Phase, Technique, TrainSetup
 
 def _configure(setup: TrainSetup, opts: Options) -> TrainSetup:
     master = "fp32" if opts["precision"] == "mixed" else setup.param_dtype
-    return replace(setup, engine="fsdp", param_dtype=master)
+    return replace(setup, engine="fsdp", param_dtype=master, build_on_meta=True)
 
 
 TECHNIQUE = Technique(

@@ -1,0 +1,35 @@
+"""Trains tiny-llama two steps under a ZeRO stack on the CPU (one gloo rank) and prints the largest
+single allocation DeepSpeed made, counted by a MemoryCounter over real tensors.
+
+`python tests/zero_bucket.py STACK` prints {"largest_bytes": N}. tests/test_predict.py compares it with
+the gradient bucket the hybrid prediction (bench/predict/hybrid.py) counts. A process of its own, since
+DeepSpeed's communication state is global.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from bench import distributed, spec, trainer
+from bench.cells import make_cell
+from bench.predict.counter import MemoryCounter
+from bench.stacks import parse_stack
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(stack: str) -> None:
+    os.environ.update(distributed.SINGLE_RANK_ENV)
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    with MemoryCounter() as counter:
+        job = trainer.build(cell)
+        for batch in job.batches()[:2]:
+            job.step(batch)
+    print(json.dumps({"largest_bytes": max(record.nbytes for record in counter.records)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
