@@ -72,6 +72,7 @@ def test_an_fsdp_build_holds_its_shards_and_one_whole_parameter_at_most() -> Non
     assert counter.phase_peaks["build"] < 0.6 * model_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "ranks", "tied"), [("tiny-llama", 1, False), ("tiny-qwen2", 8, False),
                                                       ("tiny-llama", 4, True)])
 def test_a_zero3_build_partitions_a_plain_builds_weights_and_never_holds_the_whole_model(

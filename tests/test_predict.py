@@ -199,6 +199,7 @@ def test_a_zero_cell_is_deepspeeds_model_states_plus_the_fake_runs_other_bytes(
         assert found["host_peak_gib"] == pytest.approx(host_b_per_param * params / 2**30 + ranks * 1.53)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", ["zero2", "zero3"])
 def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     """Two real steps on the CPU (tests/zero_bucket.py): the largest allocation DeepSpeed makes is its
