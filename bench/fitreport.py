@@ -88,7 +88,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "- A cell fits a budget when its predicted device peak is within it: the fake run's allocations replayed "
              "through a model of the caching allocator (peak reserved, fragmentation included) plus what the GPU kind "
              "keeps outside torch (the CUDA context, measured); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
-             "accounting + the fake run's other bytes; method hybrid/1).",
+             "accounting + the fake run's other bytes, its method the hybrid/ one above).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",

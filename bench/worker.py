@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import data, distributed, measure, results, segments, trainer
+from . import data, distributed, kernels, measure, results, segments, trainer
 from .cells import Cell
 from .engines import Engine
 from .measure import GIB
@@ -256,10 +256,11 @@ def _checkpoint_dir() -> Any:
 
 def _loop(job: trainer.Trainer, batches: list[data.Batch],
           tracker: measure.PhaseTracker) -> tuple[list[float], list[float], float, float]:
-    """All steps; the first is the 'first_step' stage (lazy optimizer state), then warm-up, then
-    the measured ones, timed with CUDA events on the GPU (host clock on the CPU). Returns the losses,
-    the measured step times, and the wall time of the first step and of the other warm-up steps
-    (host clock, the device drained at each boundary: what they cost a GPU window)."""
+    """All steps; the first is the 'first_step' stage (lazy optimizer state; its forward passes name
+    the attention kernels that ran: bench/kernels.py), then warm-up, then the measured ones, timed
+    with CUDA events on the GPU (host clock on the CPU). Returns the losses, the measured step times,
+    and the wall time of the first step and of the other warm-up steps (host clock, the device drained
+    at each boundary: what they cost a GPU window)."""
     import torch
 
     cuda = job.cell.device == "cuda"
@@ -273,7 +274,8 @@ def _loop(job: trainer.Trainer, batches: list[data.Batch],
             timings.append((start, _mark(cuda)))
         else:
             began = time.perf_counter()
-            losses.append(job.step(batch, tracker, stage))
+            with _attention_recorded(job) if i == 0 else contextlib.nullcontext():
+                losses.append(job.step(batch, tracker, stage))
             if cuda:
                 torch.cuda.synchronize()
             stage_s[stage] += time.perf_counter() - began
@@ -282,6 +284,13 @@ def _loop(job: trainer.Trainer, batches: list[data.Batch],
         torch.cuda.synchronize()
     step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]
     return [float(x) for x in losses], step_s, stage_s["first_step"], stage_s["warmup"]
+
+
+def _attention_recorded(job: trainer.Trainer) -> contextlib.AbstractContextManager[None]:
+    """The first step's attention kernels, into the evidence (bench/kernels.py), where they can be seen."""
+    if not kernels.recordable(job.cell):
+        return contextlib.nullcontext()
+    return kernels.attention_recorded(job.engine.model, job.evidence)
 
 
 def _mark(cuda: bool) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ def test_gpu_cell_records_every_memory_counter(workdir: Path) -> None:
         assert 0 < row["steady_peak_allocated_gib"] <= row["peak_allocated_gib"] <= row["peak_reserved_gib"]
         assert row["nvml_peak_gib"] >= row["peak_reserved_gib"]  # NVML also sees the CUDA context
         assert row["gpu_name"] and row["cuda"] and row["step_ms_p50"] > 0
+        evidence = json.loads(row["evidence_json"])  # the sdpa kernel that ran (bench/kernels.py)
+        assert evidence["attention_ops"] and all("_for_cpu" not in op for op in evidence["attention_ops"]), evidence
 
 
 def test_fsdp_and_its_cpu_offload_on_one_gpu(workdir: Path) -> None:
@@ -194,6 +197,46 @@ def _4bit_matmul_peak(device: str) -> int:
         counter.enter("s/forward")
         bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
     return counter.phase_peaks["s/forward"] - before
+
+
+def _flash_backward_peak(device: str) -> int:
+    """Bytes the backward of one flash attention call (grouped-query, bf16, causal) adds at its peak:
+    measured on the GPU ("cuda"), or counted on fake tensors with the GPU's scratch ("fake")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import attention
+    from bench.predict.counter import MemoryCounter
+
+    if device == "cuda":
+        out, inputs, grad_out = _flash_attention_call("cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.autograd.grad(out, inputs, grad_out)
+        return torch.cuda.max_memory_allocated() - before
+    with FakeTensorMode(), MemoryCounter(kernel_scratch=attention.flash_backward_scratch) as counter:
+        out, inputs, grad_out = _flash_attention_call("cpu")
+        before = counter.live_bytes
+        counter.enter("s/backward")
+        torch.autograd.grad(out, inputs, grad_out)
+    return counter.phase_peaks["s/backward"] - before
+
+
+def _flash_attention_call(device: str) -> tuple[Any, tuple[Any, ...], Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    query = torch.randn(2, 8, 1000, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+    key, value = (torch.randn(2, 2, 1000, 128, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in "kv")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # what the CPU runs; on the GPU, what the prediction assumes
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    return out, (query, key, value), torch.ones_like(out)
+
+
+def test_the_fake_run_allocates_what_flash_attentions_backward_allocates_on_cuda() -> None:
+    """bench/predict/attention.py's scratch of CUDA's flash backward (softmax_d, the fp32 dQ accumulator,
+    dK and dV for every query head) plus dQ, dK, dV is what the kernel allocates, to the allocator's
+    rounding. A finding, if not: which kernel ran is in the rows' attention_ops."""
+    assert _flash_backward_peak("fake") == pytest.approx(_flash_backward_peak("cuda"), abs=64 * 1024)
 
 
 def test_the_fake_run_allocates_what_the_4bit_matmul_allocates_on_cuda() -> None:

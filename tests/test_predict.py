@@ -180,7 +180,7 @@ def test_a_zero_cell_is_deepspeeds_model_states_plus_the_fake_runs_other_bytes(
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/1"
+    assert found["prediction_method"] == "hybrid/2"
     meta = trainer.build_model(cell, device="meta").model
     params = sum(p.numel() for p in meta.parameters())
     largest_layer = 4 * hybrid.largest_layer_params(meta) if "zero3" in stack else 0
@@ -413,9 +413,9 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
-    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/2"
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/3"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/1"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/2"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank
@@ -656,6 +656,37 @@ def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> Non
         assert out.shape == (rows, 1024) and counter.live_bytes == before + rows * 1024 * 2
     scratch = 2 * (1024 * 512 // 64) * 4 + 1024 * 512 * 2 if rows > 512 else 0  # absmax fp32 twice, the weight
     assert counter.phase_peaks["s/forward"] == before + scratch + rows * 1024 * 2
+
+
+@pytest.mark.parametrize(("kv_heads", "dtype", "masked"), [(2, "bfloat16", False), (4, "bfloat16", False),
+                                                        (2, "bfloat16", True), (2, "float32", False)])
+def test_flash_attention_backward_counts_the_scratch_of_its_cuda_kernel(kv_heads: int, dtype: str, masked: bool) -> None:
+    """sdpa's backward on fake tensors allocates dQ, dK, dV only. CUDA's flash kernel then allocates
+    softmax_d (fp32, seq rounded up to 128), the fp32 dQ accumulator (head_dim 40 rounded up to 64) and,
+    with grouped-query attention, dK and dV for every query head, and frees them as it returns. Sizes
+    worked out by hand; none where the GPU would not run flash (a mask, fp32)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import attention
+
+    batch, heads, seq, head_dim = 2, 4, 100, 40
+    with FakeTensorMode(), MemoryCounter(kernel_scratch=attention.flash_backward_scratch) as counter:
+        query = torch.empty(batch, heads, seq, head_dim, dtype=getattr(torch, dtype), requires_grad=True)
+        key, value = (torch.empty(batch, kv_heads, seq, head_dim, dtype=query.dtype, requires_grad=True) for _ in "kv")
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril() if masked else None
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=not masked,
+                                                               enable_gqa=True)
+        out.sum().backward()
+    scratch = [r for r in counter.records if r.op.endswith("(scratch)")]
+    if masked or dtype == "float32":
+        assert scratch == []
+        return
+    expanded = [batch * seq * heads * head_dim * 2] * 2 if kv_heads != heads else []  # 64,000 B each: a multiple of 512
+    assert [r.nbytes for r in scratch] == [batch * heads * 128 * 4, batch * 128 * heads * 64 * 4, *expanded]
+    outputs = [r for r in counter.records if r.op == attention.FLASH_BACKWARD_OP]
+    assert len(outputs) == 3 and max(r.made for r in outputs) < min(r.made for r in scratch)  # after dQ, dK, dV
+    assert all(r.freed is not None and r.freed < min(o.freed or counter.events for o in outputs) for r in scratch)
 
 
 def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -> None:

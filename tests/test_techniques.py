@@ -73,8 +73,9 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
     assert dora["dora_magnitudes"] == dora["lora_modules"] == lora["lora_modules"] > 0
     assert rows["dora"]["trainable_params"] > rows["lora"]["trainable_params"]  # + a magnitude per output channel
     assert losses["dora"] == pytest.approx(losses["lora"], rel=1e-3)  # starts as the base model, as LoRA does
+    cpu_flash = {"attention_ops": ["_scaled_dot_product_flash_attention_for_cpu"], "cudnn_version": None}  # bench/kernels.py
     assert json.loads(rows["selective_gc"]["evidence_json"]) == {  # tiny-llama: 2 decoder layers, every 2nd
-        "selective_gc_layers": 1, "selective_gc_of": 2, "selective_gc_ops": "all"}
+        "selective_gc_layers": 1, "selective_gc_of": 2, "selective_gc_ops": "all", **cpu_flash}
     in_backward = json.loads(rows["optimizer_in_backward"]["evidence_json"])
     assert in_backward["optimizer_in_backward_optimizers"] == in_backward["optimizer_in_backward_hooks"] > 10
     assert rows["optimizer_in_backward"]["optimizer_state_gib"] == pytest.approx(rows["baseline"]["optimizer_state_gib"])
@@ -82,7 +83,11 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
                                                                     "activation_offload(min_bytes=0) + gc")}
     assert offloaded["activation_offload(min_bytes=0)"]["activation_offload_gib"] > \
         offloaded["activation_offload(min_bytes=0) + gc"]["activation_offload_gib"] > 0  # gc saves layer inputs only
-    assert json.loads(rows["eager_attention"]["evidence_json"]) == {"attn_implementation": "eager"}
+    assert json.loads(rows["eager_attention"]["evidence_json"]) == {  # matmuls and a softmax: no attention kernel
+        "attn_implementation": "eager", "attention_ops": [], "cudnn_version": None}
+    assert json.loads(rows["baseline"]["evidence_json"]) == cpu_flash
+    for compiled_forward in ("compile", "cce(impl=torch_compile)"):  # not recorded: it would run eager
+        assert "attention_ops" not in json.loads(rows[compiled_forward]["evidence_json"]), compiled_forward
     compiled = json.loads(rows["compile"]["evidence_json"])  # tiny-llama: 2 decoder layers, one shape
     assert compiled["compiled_modules"] == 2 and 1 <= compiled["compile_graphs"] <= 4  # settled: no recompile per step
     assert rows["compile"]["first_step_s"] > rows["baseline"]["first_step_s"]  # compilation: the first step, not measured

@@ -30,6 +30,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from .counter import NO_SCRATCH, Scratch
+
 DEQUANT_FALLBACK_ROWS = 512  # above this many rows, CUDA's gemm_4bit dequantizes the weight (sm90)
 
 
@@ -148,16 +150,16 @@ GEMM_4BIT_ARGS = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias
                   "absmax_offset")  # bitsandbytes::gemm_4bit's schema
 
 
-def gemm_4bit_scratch(op: str, args: Any, kwargs: Any) -> list[int]:
-    """Bytes CUDA's gemm_4bit allocates and frees inside the op, in order (see the module's text)."""
+def gemm_4bit_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+    """Bytes CUDA's gemm_4bit allocates and frees inside the op, before its output (see the module's text)."""
     if op != "gemm_4bit":
-        return []
+        return NO_SCRATCH
     bound = {**dict(zip(GEMM_4BIT_ARGS, args, strict=False)), **kwargs}
     a, (rows_b, cols_b), absmax_8bit = bound["A"], bound["shapeB"], bound.get("absmax_8bit")
     if a.numel() // a.shape[-1] <= DEQUANT_FALLBACK_ROWS:
-        return []
+        return NO_SCRATCH
     dequantized_absmax = [absmax_8bit.numel() * 4] * 2 if absmax_8bit is not None else []  # fp32, then + offset
-    return [*dequantized_absmax, rows_b * cols_b * a.element_size()]
+    return Scratch(before=(*dequantized_absmax, rows_b * cols_b * a.element_size()))
 
 
 def _params4bit() -> Any:

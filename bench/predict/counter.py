@@ -93,13 +93,32 @@ class Workspaces:
         return "backward" if where.endswith("/backward") else "forward"
 
 
-# (op, args, kwargs) -> bytes the op's GPU kernel allocates and frees inside it, which no fake kernel
-# allocates (bench/predict/bnb.py: bitsandbytes' 4-bit matmul); none for a real CPU run.
-KernelScratch = Callable[[str, Any, Any], list[int]]
+@dataclass(frozen=True)
+class Scratch:
+    """Bytes an op's GPU kernel allocates and frees inside the op, which its fake kernel does not, in
+    the order it allocates them: `before` its outputs (bitsandbytes' 4-bit matmul dequantizes the
+    weight, then multiplies: bench/predict/bnb.py) or `after` them (flash attention's backward makes
+    dQ, dK, dV first, then its accumulators: bench/predict/attention.py). All are freed as it returns."""
+
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
 
 
-def no_scratch(op: str, args: Any, kwargs: Any) -> list[int]:
-    return []
+NO_SCRATCH = Scratch()
+# (op, args, kwargs) -> the op's scratch on the GPU kind predicted for; none for a real CPU run
+KernelScratch = Callable[[str, Any, Any], Scratch]
+
+
+def no_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+    return NO_SCRATCH
+
+
+def all_scratch(*kernels: KernelScratch) -> KernelScratch:
+    """One KernelScratch from several, each knowing its own ops."""
+    def scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+        found = [kernel(op, args, kwargs) for kernel in kernels]
+        return Scratch(tuple(n for s in found for n in s.before), tuple(n for s in found for n in s.after))
+    return scratch
 
 
 class MemoryCounter(TorchDispatchMode):
@@ -165,11 +184,14 @@ class MemoryCounter(TorchDispatchMode):
         op = func.overloadpacket.__name__
         if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
             self._workspace_for(self.workspaces.thread_of(self.where))
-        scratch = [self._scratch(nbytes, op) for nbytes in self.kernel_scratch(op, args, kwargs or {})]
+        scratch = self.kernel_scratch(op, args, kwargs or {})
+        made = [self._scratch(nbytes, op) for nbytes in scratch.before]
         try:
-            return self._dispatch(func, op, args, kwargs or {})
+            out = self._dispatch(func, op, args, kwargs or {})
+            made += [self._scratch(nbytes, op) for nbytes in scratch.after]
+            return out
         finally:
-            for index in scratch:  # freed as the kernel returns, after its output was allocated
+            for index in made:  # freed as the kernel returns, after its outputs were allocated
                 self._free(index)
 
     def _dispatch(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:

@@ -18,7 +18,9 @@ The build is the worker's (bench/trainer.py), so what is predicted is what would
 Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flash attention for
 CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
-the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py).
+the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
+kernels allocate inside their op (flash attention's backward: bench/predict/attention.py;
+bitsandbytes' 4-bit matmul: bench/predict/bnb.py).
 
 Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
 process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
@@ -43,8 +45,8 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, bnb, cce, ddp, fsdp_offload, hybrid, liger, save
-from .counter import KernelScratch, MemoryCounter, Workspaces, no_scratch
+from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, save
+from .counter import KernelScratch, MemoryCounter, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
 
@@ -197,8 +199,9 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
 
 def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
-    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul)."""
-    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=bnb.gemm_4bit_scratch)
+    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, flash attention's backward)."""
+    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.flash_backward_scratch)
+    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
 
 
 def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method = hybrid/1`).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/2: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -34,7 +34,7 @@ from . import allocator, save
 from .counter import BLOCK_BYTES, MemoryCounter, Peak
 from .gpus import GpuKind
 
-METHOD = "hybrid/1"
+METHOD = "hybrid/2"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).

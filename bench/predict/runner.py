@@ -28,7 +28,8 @@ from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
 from . import gpus
 
-METHOD = "fake-run/2"  # bump when what a prediction counts changes (2: reserved memory replayed)
+METHOD = "fake-run/3"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+# attention backward's scratch)
 
 
 @dataclass(frozen=True)

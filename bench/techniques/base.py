@@ -60,6 +60,10 @@ class Technique:
     ranges: Mapping[str, str] = field(default_factory=dict)  # numeric options' intervals, e.g. {"r": "[1, inf)"}
     slot: str | None = None  # at most one technique per slot in a stack (one precision, one optimizer)
     requires_cuda: bool = False
+    # Its forward pass runs torch.compile'd code (or may: an option chooses): the worker does not record the
+    # attention kernels of such a cell, since dynamo does not compile under the recording's dispatch mode
+    # (bench/kernels.py) and the first step would run eager
+    compiles_forward: bool = False
     packages: tuple[str, ...] = ()  # import names that must be installed
     conflicts: tuple[str, ...] = ()  # techniques it cannot be stacked with
     needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these

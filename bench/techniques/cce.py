@@ -67,6 +67,7 @@ TECHNIQUE = Technique(
     choices={"impl": ("cce", "torch_compile")},
     packages=("cut_cross_entropy",),
     conflicts=("liger", "chunked_ce"),
+    compiles_forward=True,
     check_cell=_check_cell,
     apply=_apply,
 )

@@ -80,6 +80,7 @@ TECHNIQUE = Technique(
     # Unsloth brings its own adapters, checkpointing, kernels and loss: ours would stack on its patches
     conflicts=("lora", "dora", "mixed", "gc", "selective_gc", "liger", "cce", "chunked_ce", "compile",
                "activation_offload", "zero2", "zero3", "fsdp", "ddp"),
+    compiles_forward=True,
     not_predicted="Unsloth loads from files and runs its own Triton kernels: not run on fake tensors",
     env=lambda opts: {"BENCH_WORKER_FIRST_IMPORTS": "unsloth"},
     check_cell=_check_cell,

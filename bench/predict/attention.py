@@ -1,0 +1,61 @@
+"""The scratch of CUDA's flash attention backward, which the fake run's attention does not allocate.
+
+The fake run's sdpa dispatches to flash attention for the CPU, which saves what CUDA's flash kernel
+saves (the output and the log-sum-exp) and whose backward allocates dQ, dK and dV and nothing else.
+CUDA's backward (FlashAttention-2 in PyTorch: `mha_bwd` in
+aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, the same in torch 2.9 to 2.13)
+allocates dQ, dK, dV, then:
+
+- `softmax_d`: fp32, (batch, heads, seq rounded up to 128); returned to `_flash_attention_backward`,
+  which drops it;
+- `dq_accum`: fp32, (batch, seq rounded up to 128, heads, head_dim rounded up to 32, or to 64 above
+  128): the dQ accumulator;
+- with grouped-query attention (fewer K/V heads than query heads): dK and dV for every query head
+  (batch, seq, heads, head_dim, in q's dtype), then summed over each group into dK and dV.
+
+All are freed as the op returns: no new allocated peak, but they take cached blocks and shape what
+the caching allocator reserves. On the published H100 run (Llama-3.2-3B: 24 query heads, 8 K/V
+heads) gc's reserved peak at seq 2048 batch 2 is 31.06 GiB measured; the fake run without this
+scratch predicted 30.12 (-3.0%), with it 31.09 (+0.1%).
+
+Which kernel the GPU runs is sdpa's choice per call: flash for a call without a mask in bf16/fp16
+with head_dim at most 256 on sm80 and newer, unless cuDNN's kernel ranks first (torch 2.10 and newer
+with a runtime cuDNN above 9.15.0 on sm90/sm100, bench/envinfo.py records cudnn_version) and takes
+the call. The published rows do not say which ran; the reserved figures above fit flash, and rows
+measured from now on record the attention ops that ran (evidence `attention_ops`, bench/kernels.py).
+A call with a mask (padding, packing) runs another kernel on the GPU: no scratch is modelled for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .counter import NO_SCRATCH, Scratch
+
+FLASH_BACKWARD_OP = "_scaled_dot_product_flash_attention_for_cpu_backward"  # the fake run's sdpa backward
+FLASH_DTYPES = ("torch.bfloat16", "torch.float16")
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flash_backward_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+    """What CUDA's flash attention backward allocates after dQ, dK, dV and frees as it returns (see the
+    module's text); nothing for another op or a call the GPU's flash kernel would not take."""
+    if op != FLASH_BACKWARD_OP:
+        return NO_SCRATCH
+    # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask, scale)
+    query, key = args[1], args[2]
+    mask = args[8] if len(args) > 8 else kwargs.get("attn_mask")
+    batch, heads, seq_q, head_dim = query.shape
+    kv_heads, seq_k = key.shape[1], key.shape[2]
+    if mask is not None or str(query.dtype) not in FLASH_DTYPES or head_dim > FLASH_MAX_HEAD_DIM:
+        return NO_SCRATCH
+    seq_q_rounded = _round_up(seq_q, 128)
+    head_dim_rounded = _round_up(_round_up(head_dim, 8), 32 if head_dim <= 128 else 64)
+    softmax_d = batch * heads * seq_q_rounded * 4
+    dq_accum = batch * seq_q_rounded * heads * head_dim_rounded * 4
+    expanded = (batch * seq_k * heads * head_dim * query.element_size(),) * 2 if kv_heads != heads else ()
+    return Scratch(after=(softmax_d, dq_accum, *expanded))
