@@ -13,10 +13,13 @@ allocates dQ, dK, dV, then:
 - with grouped-query attention (fewer K/V heads than query heads): dK and dV for every query head
   (batch, seq, heads, head_dim, in q's dtype), then summed over each group into dK and dV.
 
-All are freed as the op returns: no new allocated peak, but they take cached blocks and shape what
-the caching allocator reserves. On the published H100 run (Llama-3.2-3B: 24 query heads, 8 K/V
-heads) gc's reserved peak at seq 2048 batch 2 is 31.06 GiB measured; the fake run without this
-scratch predicted 30.12 (-3.0%), with it 31.09 (+0.1%).
+All are freed as the op returns: no new allocated peak on the published cells, but they take cached
+blocks, so what the caching allocator reserves can change. On the 61 published H100 cells
+(Llama-3.2-1B/3B: grouped-query attention) the allocated peaks do not move and the reserved ones
+move on 7 cells, by at most 0.66 points (gc + liger at seq 2048 batch 2: -0.45% -> -1.11%); the
+median error stays 0.39%. Placing the same scratch before dQ, dK, dV instead would bring the three
+gc cells at -3.0% to +0.1%: a sign that the allocation order matters there, not a reason to choose
+an order the kernel does not have.
 
 Which kernel the GPU runs is sdpa's choice per call: flash for a call without a mask in bf16/fp16
 with head_dim at most 256 on sm80 and newer, unless cuDNN's kernel ranks first (torch 2.10 and newer
