@@ -23,10 +23,10 @@ an order the kernel does not have.
 
 Which kernel the GPU runs is sdpa's choice per call: flash for a call without a mask in bf16/fp16
 with head_dim at most 256 on sm80 and newer, unless cuDNN's kernel ranks first (torch 2.10 and newer
-with a runtime cuDNN above 9.15.0 on sm90/sm100, bench/envinfo.py records cudnn_version) and takes
-the call. The published rows do not say which ran; the reserved figures above fit flash, and rows
-measured from now on record the attention ops that ran (evidence `attention_ops`, bench/kernels.py).
-A call with a mask (padding, packing) runs another kernel on the GPU: no scratch is modelled for it.
+with a runtime cuDNN above 9.15.0 on sm90/sm100) and takes the call. The published rows do not say
+which ran, so flash is an assumption here; rows measured from now on record the attention ops that
+ran and the runtime cuDNN (evidence `attention_ops`, `cudnn_version`: bench/kernels.py). A call with
+a mask (padding, packing) runs another kernel on the GPU: no scratch is modelled for it.
 """
 
 from __future__ import annotations
