@@ -34,7 +34,7 @@ def to_json(segments: Iterable[tuple[str, int]]) -> str:
 
 def from_snapshot(snapshot: Any, device: int) -> str:
     """`segments_json` of `torch.cuda.memory_snapshot()` (or `torch.cuda.memory._snapshot()["segments"]`):
-    every segment the allocator holds on `device`, of every stream (the model knows one)."""
+    every segment the allocator holds on `device`, of every stream."""
     segments = snapshot["segments"] if isinstance(snapshot, dict) else snapshot
     return to_json((s["segment_type"], int(s["total_size"])) for s in segments if s.get("device", device) == device)
 

@@ -11,10 +11,11 @@ from bench.predict import allocator
 MIB = 1 << 20
 
 
-def _reserved(*events: tuple[str, int, float], capacity_mib: float | None = None, expandable: bool = False) -> Any:
+def _reserved(*events: tuple[Any, ...], capacity_mib: float | None = None, expandable: bool = False) -> Any:
+    """Replays (kind, id, MiB[, stream]) events."""
     capacity = None if capacity_mib is None else int(capacity_mib * MIB)
-    return allocator.replay([(kind, ident, int(mib * MIB)) for kind, ident, mib in events], capacity,
-                            expandable=expandable)
+    return allocator.replay([(kind, ident, int(mib * MIB), *stream) for kind, ident, mib, *stream in events],
+                            capacity, expandable=expandable)
 
 
 def test_small_requests_share_2_mib_segments() -> None:
@@ -59,7 +60,46 @@ def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:
 
     records = [Record(1024, 0, "x", "a", freed=2), Record(1024, 2, "x", "add"), Record(512, 3, "x", "b", freed=3),
                Record(512, -1, "x", "never")]
-    assert allocator.trace(records) == [("malloc", 0, 1024), ("free", 0, 1024), ("malloc", 1, 1024)]
+    assert allocator.trace(records) == [("malloc", 0, 1024, 0), ("free", 0, 1024, 0), ("malloc", 1, 1024, 0)]
+
+
+# --- streams: a block is reused only by requests of the stream it was allocated on ---
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another() -> None:
+    same = _reserved(("malloc", 0, 12, 1), ("free", 0, 12, 1), ("malloc", 1, 11, 1))
+    assert same.peak_reserved_bytes == 12 * MIB
+    other = _reserved(("malloc", 0, 12, 1), ("free", 0, 12, 1), ("malloc", 1, 11, 0))
+    assert other.peak_reserved_bytes == (12 + 12) * MIB  # the cached 12 MiB stay stream 1's
+    small = _reserved(("malloc", 0, 0.5, 0), ("malloc", 1, 0.5, 2))  # small pools are per stream too
+    assert small.peak_reserved_bytes == 4 * MIB and sorted(small.held_segments()) == [("small", 2 * MIB)] * 2
+
+
+def test_a_split_block_stays_with_its_stream() -> None:
+    # stream 1's 20 MiB segment holds its 5 MiB request and keeps a 15 MiB rest that stream 0 cannot take
+    state = _reserved(("malloc", 0, 5, 1), ("malloc", 1, 5, 0), ("malloc", 2, 5, 1))
+    assert state.peak_reserved_bytes == 40 * MIB
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_before_an_oom_the_cache_of_every_stream_is_released(expandable: bool) -> None:
+    state = _reserved(("malloc", 0, 30, 1), ("free", 0, 30, 1), ("malloc", 1, 30, 0), capacity_mib=40,
+                      expandable=expandable)
+    assert state.oom_at is None and state.retries == 1 and state.reserved_bytes == (40 if expandable else 30) * MIB
+
+
+def test_each_stream_has_its_own_expandable_segment() -> None:
+    one = _reserved(("malloc", 0, 5, 0), ("malloc", 1, 5, 0), expandable=True)
+    assert one.peak_reserved_bytes == 20 * MIB  # one 20 MiB page holds both
+    two = _reserved(("malloc", 0, 5, 0), ("malloc", 1, 5, 1), expandable=True)
+    assert two.peak_reserved_bytes == 40 * MIB  # a page on each stream's range
+
+
+def test_trace_carries_the_stream_each_block_was_allocated_on() -> None:
+    from bench.predict.counter import Record
+
+    records = [Record(1024, 0, "x", "a", freed=1, stream=2), Record(2048, 2, "x", "b")]
+    assert allocator.trace(records) == [("malloc", 0, 1024, 2), ("free", 0, 1024, 2), ("malloc", 1, 2048, 0)]
 
 
 @pytest.mark.parametrize("nbytes", [512, MIB, MIB + 512, 10 * MIB - 512, 10 * MIB, 10 * MIB + 1])
@@ -113,6 +153,6 @@ def test_a_release_is_placed_in_the_trace_where_the_counter_saw_it() -> None:
     from bench.predict.counter import Record
 
     records = [Record(1024, 0, "x", "a", freed=1), Record(2048, 2, "x", "b")]
-    assert allocator.trace(records, releases=[2]) == [("malloc", 0, 1024), ("free", 0, 1024), ("release", -1, 0),
-                                                      ("malloc", 1, 2048)]
+    assert allocator.trace(records, releases=[2]) == [("malloc", 0, 1024, 0), ("free", 0, 1024, 0),
+                                                      ("release", -1, 0, 0), ("malloc", 1, 2048, 0)]
     assert allocator.positions(records, [2, 3], releases=[2]) == [3, 4]

@@ -73,31 +73,38 @@ def test_budget_caps_the_allocator(workdir: Path) -> None:
 
 
 ALLOCATOR_TRACE = """
-import json, random, torch
+import json, random, sys, torch
 rng = random.Random(0)
 sizes = [512 * rng.randint(1, 2048) for _ in range(300)] + [2**20 * rng.randint(1, 300) for _ in range(200)]
+streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(int(sys.argv[1]) - 1)]
 live, events = {}, []
-for i in range(3000):  # a random walk of allocations and frees: small, medium and large requests
+for i in range(3000):  # a random walk of allocations and frees: small, medium and large requests, on random streams
     if live and (rng.random() < 0.45 or len(live) > 60):
         key = rng.choice(sorted(live))
-        events.append(("free", key, live.pop(key).untyped_storage().nbytes()))
+        tensor, stream = live.pop(key)
+        events.append(("free", key, tensor.untyped_storage().nbytes(), stream))
     else:
         nbytes = rng.choice(sizes)
-        live[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        events.append(("malloc", i, -(-nbytes // 512) * 512))
+        stream = rng.randrange(len(streams)) if len(streams) > 1 else 0
+        with torch.cuda.stream(streams[stream]):
+            live[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), stream
+        events.append(("malloc", i, -(-nbytes // 512) * 512, stream))
 print(json.dumps({"events": events, "peak_reserved": torch.cuda.max_memory_reserved()}))
 """
 
 
-def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reserves() -> None:
-    """The same random trace of allocations and frees, on this GPU and through bench/predict/allocator.py."""
+@pytest.mark.parametrize("streams", [1, 3])
+def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reserves(streams: int) -> None:
+    """The same random trace of allocations and frees, on this GPU and through bench/predict/allocator.py;
+    with 3 streams, each block reusable only by its own stream's requests."""
     import json
     import subprocess
     import sys
 
     from bench.predict import allocator
 
-    done = subprocess.run([sys.executable, "-c", ALLOCATOR_TRACE], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_TRACE, str(streams)], capture_output=True, text=True,
+                          check=True)
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     events = [tuple(e) for e in measured["events"]]
     assert allocator.replay(events).peak_reserved_bytes == measured["peak_reserved"]

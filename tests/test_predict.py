@@ -57,6 +57,25 @@ def test_a_storage_resized_to_nothing_is_freed_and_resized_back_is_allocated_aga
     assert [r.nbytes for r in counter.records] == [4 * BLOCK_BYTES, 2 * BLOCK_BYTES]
 
 
+def test_each_allocation_is_counted_on_the_stream_current_when_it_was_made() -> None:
+    """torch.cpu.stream(s) makes s current as torch.cuda.stream(s) does on a GPU: the allocator keeps a
+    pool per stream, so the counter numbers them as they appear, the default stream 0."""
+    import torch
+
+    copy_in, reduce = torch.cpu.Stream(), torch.cpu.Stream()
+    with MemoryCounter() as counter:
+        a = torch.empty(1024)
+        with torch.cpu.stream(reduce):
+            b = torch.empty(1024)
+            with torch.cpu.stream(copy_in):
+                c = torch.empty(1024)
+        with torch.cpu.stream(copy_in):
+            d = torch.empty(1024)
+        e = torch.empty(1024)
+    assert [r.stream for r in counter.records] == [0, 1, 2, 2, 0]
+    del a, b, c, d, e
+
+
 def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> None:
     """PyTorch's CachingHostAllocator: a request rounded up to a power of two, a freed block reused by
     the next request of its size and never given back (bench/predict/pinned.py)."""
@@ -151,6 +170,31 @@ def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> 
             assert predicted.breakdown(predicted.peak) == at_peak
         assert predicted_state == state
         assert predicted.host_peak_bytes == host_peak_bytes  # FSDP's offload: its shards, gradients, state
+
+
+def test_fsdp2_gathers_on_its_copy_in_stream_and_reduces_gradients_on_its_reduce_scatter_stream() -> None:
+    """FSDP2 allocates each unit's all-gather buffer on its copy-in stream (forward and backward) and
+    the sharded gradients on its reduce-scatter stream; the caching allocator keeps those blocks apart
+    from the compute stream's, so the step reserves more than one stream's pool would."""
+    from bench.predict import allocator
+
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("fsdp")), gpus=2)
+    with fake._fake_process_group(cell):
+        counter, built, _ = fake.counted_run(cell, Workspaces())
+    measured = [r for r in counter.records if r.where.startswith("measure/")]
+    gathers = {r.where for r in measured if r.stream == 1}
+    assert gathers == {"measure/forward", "measure/backward"}
+    assert {r.where for r in measured if r.stream == 2} == {"measure/backward"}
+    layers = built.model.config.num_hidden_layers
+    shard_bytes = sum(p.to_local().nbytes for p in built.model.model.layers[0].parameters())
+    gathered = [r.nbytes for r in measured if r.stream == 1 and r.where == "measure/forward"]
+    assert gathered.count(-(-2 * shard_bytes // BLOCK_BYTES) * BLOCK_BYTES) == layers  # both ranks' shards of a layer
+    assert len(gathered) == layers + 1  # and the root's unit (embedding, final norm, lm_head)
+    gradients = {r.stream for r in counter.records if r.role == "gradient" and r.where.startswith("measure/")}
+    assert gradients == {2}
+    events = allocator.trace(counter.records, counter.releases)
+    one_stream = [event[:3] for event in events]
+    assert allocator.replay(events).peak_reserved_bytes > allocator.replay(one_stream).peak_reserved_bytes
 
 
 def test_more_fsdp_ranks_hold_less_state_per_rank() -> None:
@@ -413,7 +457,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
-    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/3"
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/4"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
     assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/2"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group

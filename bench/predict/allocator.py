@@ -7,9 +7,14 @@ replays the fake run's trace (bench/predict/counter.py: every allocation and fre
 to 512 B) through a model of PyTorch's native allocator as c10/cuda/CUDACachingAllocator.cpp has it
 in torch 2.9 to 2.13 (the rules below have not changed across those versions), default settings:
 
-- two pools: requests of at most 1 MiB (small) and larger ones (large), one stream;
-- a request takes the smallest cached free block of its pool that holds it (best fit; the lowest
-  address among equals);
+- two pools: requests of at most 1 MiB (small) and larger ones (large);
+- every block belongs to the stream it was first allocated on ("once freed, blocks can be
+  re-allocated on the same stream, but not on any other stream", the allocator's own header): a
+  request takes only its own stream's cached blocks, so a free block of one stream is reserved
+  memory no other stream can use (FSDP2 allocates its all-gather and reduce-scatter buffers on
+  streams of their own);
+- a request takes the smallest cached free block of its pool and stream that holds it (best fit;
+  the lowest address among equals);
 - none: a new segment, 2 MiB for a small request, 20 MiB for one under 10 MiB, else the request
   rounded up to 2 MiB;
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large pool);
@@ -18,8 +23,8 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
   request retried; if it still does not fit, the allocator raises an OOM;
 - `torch.cuda.empty_cache()` (a "release" event) releases every fully free segment too.
 
-With `expandable_segments:True` (ExpandableReplay) each pool is one virtual address range whose
-physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
+With `expandable_segments:True` (ExpandableReplay) each pool of each stream is one virtual address
+range whose physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
 
 - a request still takes the best-fitting free mapped block first;
 - none: the lowest-addressed run of free and unmapped space that holds it (starting at a free block
@@ -28,13 +33,18 @@ physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (l
 - freed blocks merge with free mapped neighbours and stay mapped (reserved);
 - when mapping would exceed the card, every whole free page is unmapped and the request retried.
 
-Not modelled: `max_split_size_mb`, the garbage collection threshold, several streams (NCCL,
-offload copies), CUDA graphs.
+A trace's events are ("malloc" | "free" | "release", id, bytes) with the stream as an optional fourth
+element (0, the default stream, when absent). Frees take effect at once: the model assumes no
+`record_stream` (FSDP2 keeps a buffer alive until the other stream is done with it instead).
+
+Not modelled: `max_split_size_mb`, the garbage collection threshold, `record_stream`'s deferred
+frees, CUDA graphs.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +66,7 @@ class Block:
     address: int
     size: int
     small: bool
+    stream: int = 0
     free: bool = True
     prev: Block | None = None
     next: Block | None = None
@@ -73,18 +84,20 @@ class Replay:
     retries: int = 0  # new segments that did not fit until the cache was released (num_alloc_retries)
     segments: dict[int, int] = field(default_factory=dict)  # segment id -> size
     _heads: dict[int, Block] = field(default_factory=dict)  # segment id -> its first block
-    _pools: dict[bool, list[tuple[int, int, Block]]] = field(default_factory=lambda: {True: [], False: []})
+    # (stream, small pool?) -> its free blocks, sorted by (size, address)
+    _pools: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=lambda: defaultdict(list))
     _next_address: int = 0
     _segments_made: int = 0
 
-    def malloc(self, nbytes: int) -> Block | None:
+    def malloc(self, nbytes: int, stream: int = 0) -> Block | None:
         small = nbytes <= SMALL_REQUEST
-        block = self._best_fit(nbytes, small) or self._new_segment(nbytes, small)
+        block = self._best_fit(nbytes, small, stream) or self._new_segment(nbytes, small, stream)
         if block is None:
             return None
         self._take(block)
         if _should_split(block.size - nbytes, small):
-            rest = Block(block.segment, block.address + nbytes, block.size - nbytes, small, prev=block, next=block.next)
+            rest = Block(block.segment, block.address + nbytes, block.size - nbytes, small, stream,
+                         prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, nbytes
@@ -102,16 +115,16 @@ class Replay:
 
     # --- pools ---
 
-    def _best_fit(self, nbytes: int, small: bool) -> Block | None:
-        pool = self._pools[small]
+    def _best_fit(self, nbytes: int, small: bool, stream: int) -> Block | None:
+        pool = self._pools[stream, small]
         at = bisect.bisect_left(pool, (nbytes, -1))
         return pool[at][2] if at < len(pool) else None
 
     def _put(self, block: Block) -> None:
-        bisect.insort(self._pools[block.small], (block.size, block.address, block))
+        bisect.insort(self._pools[block.stream, block.small], (block.size, block.address, block))
 
     def _take(self, block: Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[block.stream, block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
 
     @staticmethod
@@ -126,7 +139,7 @@ class Replay:
 
     # --- segments ---
 
-    def _new_segment(self, nbytes: int, small: bool) -> Block | None:
+    def _new_segment(self, nbytes: int, small: bool, stream: int) -> Block | None:
         size = segment_size(nbytes)
         if not self._fits(size):
             self.retries += 1
@@ -134,7 +147,7 @@ class Replay:
             if not self._fits(size):
                 return None
         segment, self._segments_made = self._segments_made, self._segments_made + 1
-        block = Block(segment, self._next_address, size, small)
+        block = Block(segment, self._next_address, size, small, stream)
         self._next_address += size
         self.segments[segment], self._heads[segment] = size, block
         self.reserved_bytes += size
@@ -154,7 +167,7 @@ class Replay:
         return [("small" if self._heads[segment].small else "large", size) for segment, size in self.segments.items()]
 
     def _release_cached(self) -> None:
-        """cudaFree every segment that is one free block (release_cached_blocks)."""
+        """cudaFree every segment that is one free block, of every stream (release_cached_blocks)."""
         for segment, head in list(self._heads.items()):
             if head.free and head.next is None and head.size == self.segments[segment]:
                 self._take(head)
@@ -181,12 +194,13 @@ class ExpandableReplay:
     oom_at: int | None = None
     samples: list[int] = field(default_factory=list)
     retries: int = 0
-    _spans: dict[bool, list[Span]] = field(default_factory=lambda: {
-        small: [Span(0, 1 << 60, "unmapped")] for small in (True, False)})
+    # (stream, small pool?) -> its address range, in pieces (one expandable segment per stream and pool)
+    _spans: dict[tuple[int, bool], list[Span]] = field(default_factory=lambda: defaultdict(
+        lambda: [Span(0, 1 << 60, "unmapped")]))
 
-    def malloc(self, nbytes: int) -> Span | None:
+    def malloc(self, nbytes: int, stream: int = 0) -> Span | None:
         small = nbytes <= SMALL_REQUEST
-        spans = self._spans[small]
+        spans = self._spans[stream, small]
         found = self._best_fit(spans, nbytes) or self._map_for(spans, nbytes, small)
         if found is None:
             self.retries += 1
@@ -241,7 +255,7 @@ class ExpandableReplay:
 
     def _unmap_free_pages(self) -> None:
         """release_cached_blocks: every whole page inside a free block is unmapped."""
-        for small, spans in self._spans.items():
+        for (_, small), spans in self._spans.items():
             page = SMALL_SEGMENT if small else LARGE_SEGMENT
             for span in [s for s in spans if s.state == "free"]:
                 begin = -(-span.address // page) * page
@@ -282,19 +296,20 @@ def segment_size(nbytes: int) -> int:
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
-def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int]]:
+def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int, int]]:
     """The counter's records (bench/predict/counter.py) as the allocator saw them, in order: each
-    allocation and free; a free before an allocation of the same instant (a gradient summed in place
-    takes over its operand's block); records that never counted left out. `releases`: the counter's
-    event counts at which the cache was emptied (torch.cuda.empty_cache), a "release" event each."""
-    events = [(at, -1, "release", -1, 0) for at in releases]
+    allocation and free, with the stream it was allocated on; a free before an allocation of the same
+    instant (a gradient summed in place takes over its operand's block); records that never counted
+    left out. `releases`: the counter's event counts at which the cache was emptied
+    (torch.cuda.empty_cache), a "release" event each."""
+    events = [(at, -1, "release", -1, 0, 0) for at in releases]
     for ident, record in enumerate(records):
         if record.made < 0 or record.freed == record.made:
             continue
-        events.append((record.made, 1, "malloc", ident, record.nbytes))
+        events.append((record.made, 1, "malloc", ident, record.nbytes, record.stream))
         if record.freed is not None:
-            events.append((record.freed, 0, "free", ident, record.nbytes))
-    return [(kind, ident, nbytes) for _, _, kind, ident, nbytes in sorted(events)]
+            events.append((record.freed, 0, "free", ident, record.nbytes, record.stream))
+    return [(kind, ident, nbytes, stream) for _, _, kind, ident, nbytes, stream in sorted(events)]
 
 
 def positions(records: list[Any], event_counts: list[int], releases: Iterable[int] = ()) -> list[int]:
@@ -306,16 +321,16 @@ def positions(records: list[Any], event_counts: list[int], releases: Iterable[in
             for end in event_counts]
 
 
-def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = None,
+def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
            samples: Iterable[int] = (), expandable: bool = False) -> Replay | ExpandableReplay:
-    """Replays ("malloc" | "free" | "release", id, bytes) events in order; stops at the first OOM. `samples`:
-    after how many events to read reserved memory (Replay.samples). `expandable`: with
+    """Replays ("malloc" | "free" | "release", id, bytes[, stream]) events in order; stops at the first
+    OOM. `samples`: after how many events to read reserved memory (Replay.samples). `expandable`: with
     expandable_segments (ExpandableReplay)."""
     state: Replay | ExpandableReplay = ExpandableReplay(capacity_bytes) if expandable else Replay(capacity_bytes)
     live: dict[int, Any] = {}
     wanted = sorted(samples)
     events = list(events)
-    for index, (kind, ident, nbytes) in enumerate(events):
+    for index, (kind, ident, nbytes, *stream) in enumerate(events):
         while wanted and wanted[0] <= index:
             state.samples.append(state.reserved_bytes)
             wanted.pop(0)
@@ -325,7 +340,7 @@ def replay(events: Iterable[tuple[str, int, int]], capacity_bytes: int | None = 
         if kind == "release":
             state.release()
             continue
-        block = state.malloc(nbytes)
+        block = state.malloc(nbytes, *stream)
         if block is None:
             state.oom_at = index
             break

@@ -56,6 +56,7 @@ class Record:
     freed: int | None = None  # event index of the free; None: alive at the end
     role: str | None = None  # None until known: then "temporary"
     viewed: bool = False  # a view op returned a tensor over it (see _is_gradient_sum)
+    stream: int = 0  # the stream current when it was allocated: 0 the default, 1, 2, ... others as they appear
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,11 @@ class MemoryCounter(TorchDispatchMode):
         self._apart: WeakIdKeyDictionary = WeakIdKeyDictionary()  # such storages -> their pool
         self._apart_pool: str | None = None
         self.releases: list[int] = []  # event counts at which torch.cuda.empty_cache() emptied the cache
+        # The streams allocations were made on, in order of appearance (the default first). On a CPU,
+        # torch.cpu.stream(s) sets a current stream as torch.cuda.stream(s) does on a GPU, so FSDP2's
+        # all-gather and reduce-scatter streams, entered the same way, are seen here (the allocator
+        # keeps a pool per stream: bench/predict/allocator.py).
+        self.streams: list[Any] = [torch.cpu.current_stream()]
 
     def __enter__(self) -> MemoryCounter:
         # FSDP frees a unit's gathered parameters by resizing their storage to nothing, and gathers them
@@ -218,7 +224,8 @@ class MemoryCounter(TorchDispatchMode):
 
     def _scratch(self, nbytes: int, op: str) -> int:
         """An allocation a GPU kernel makes and frees inside its op, which its fake kernel does not."""
-        self.records.append(Record(-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES, -1, self.where, f"{op} (scratch)"))
+        self.records.append(Record(-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES, -1, self.where, f"{op} (scratch)",
+                                   stream=self._stream()))
         self._count(len(self.records) - 1)
         return len(self.records) - 1
 
@@ -288,11 +295,20 @@ class MemoryCounter(TorchDispatchMode):
 
     def _new_record(self, storage: Any, op: str) -> int:
         rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES
-        self.records.append(Record(rounded, -1, self.where, op))
+        self.records.append(Record(rounded, -1, self.where, op, stream=self._stream()))
         index = len(self.records) - 1
         self._record_of[storage] = index
         weakref.finalize(storage, self._free, index)
         return index
+
+    def _stream(self) -> int:
+        """The current stream's number (see self.streams)."""
+        current = torch.cpu.current_stream()
+        for number, stream in enumerate(self.streams):
+            if stream is current:
+                return number
+        self.streams.append(current)
+        return len(self.streams) - 1
 
     def _count(self, index: int) -> None:
         """The record's bytes become live now: an allocation event, and maybe a new peak."""
@@ -369,7 +385,7 @@ class MemoryCounter(TorchDispatchMode):
         if thread not in self._threads_with_workspace:
             self._threads_with_workspace.add(thread)
             self.records.append(Record(self.workspaces.bytes_per_thread, -1, self.where, f"cublas workspace ({thread} thread)",
-                                       role="workspace"))
+                                       role="workspace", stream=self._stream()))
             self._count(len(self.records) - 1)
 
     # --- phases: the trainer calls enter() as each begins; roles become known at the boundaries ---
