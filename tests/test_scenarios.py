@@ -42,6 +42,19 @@ def test_a_measured_figure_wins_and_an_oom_gives_way_to_the_prediction_of_what_i
     assert sources.figure(planned[3]).cell() == "–"
 
 
+def test_a_prediction_is_over_the_card_when_its_reserved_memory_and_context_are(tmp_path: Path) -> None:
+    """`> card` follows the prediction's `fits` (the allocator's reserved memory plus the CUDA context, on
+    the card), not the peak allocated shown: 75 GiB allocated can need 84 GiB of the device."""
+    results_dir = tmp_path / "results"
+    planned = scenarios.Sources(results_dir, REPO / "matrix.yaml").planned("playbook")
+    rows = [(planned[0], 75.0, False), (planned[1], 70.0, True), (planned[2], 90.0, None)]
+    results.write_parquet([{**_row(c.cell_id, "ok", p), "prediction_method": "fake-run/4", "fits": fits}
+                           for c, p, fits in rows], results_dir / "playbook" / "predicted" / "p.parquet",
+                          table=results.PREDICTED)
+    sources = scenarios.Sources(results_dir, REPO / "matrix.yaml")
+    assert [sources.figure(c).cell() for c, _, _ in rows] == ["*75.0 > card*", "*70.0*", "*90.0 > card*"]
+
+
 def test_the_save_answer_says_what_a_save_adds_on_the_host_from_the_save_rows(tmp_path: Path) -> None:
     """ZeRO-3 + offload, 8B: the model-only save's copies on top of training's host memory, the full
     save's in place; the GPU side from the code's reading while no save is measured."""
