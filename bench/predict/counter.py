@@ -5,7 +5,8 @@ its bytes rounded up to 512 B (the allocator's smallest block: every allocation 
 it) and added to the live total; when the storage dies (a weakref finalizer), they are subtracted.
 It works the same over fake tensors (a prediction) and real ones (the test that the fake run is
 faithful). Each allocation is a `Record` of the trace: bytes, when it was made and freed (event
-indices), in which stage/phase and by which op, and its role, known once the step has shown it:
+indices), in which stage/phase, by which op and on which stream, and its role, known once the step
+has shown it:
 
 - weight: a parameter or buffer;
 - gradient: a parameter's `.grad` when the optimizer phase begins;
