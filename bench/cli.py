@@ -5,11 +5,13 @@
     python -m bench report MATRIX     regenerate the leaderboard from the newest run's parquet
     python -m bench compare BASE CAND  per-cell deltas of two runs, measured or predicted; exit 1 on a regression
     python -m bench predict MATRIX    each cell's peak allocated GPU memory, predicted on a CPU (fake tensors)
+    python -m bench ask MODEL --seq N --batch N --stack S   will one cell fit? predicted, beside any measurement
     python -m bench fit MATRIX --budgets 24,40,80   largest batch / sequence that trains per budget
     python -m bench overhead MATRIX --run-id ID   baseline cells beside a bare PyTorch loop (GPU)
     python -m bench env               what this machine has (GPU, libraries) as the suite sees it
 
-Exit codes: 0 done; 1 some cell ended in error (compare: a regression); 2 bad input (matrix.yaml, a stack) or nothing runnable.
+Exit codes: 0 done; 1 some cell ended in error (compare: a regression; ask: it does not fit); 2 bad input
+(matrix.yaml, a stack) or nothing runnable; 3 (ask) the cell could not be predicted.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import cells, compare, envinfo, fit, fitreport, overhead, prebuild, report, results, runner, scenarios, spec
+from . import ask, cells, compare, envinfo, fit, fitreport, models, overhead, prebuild, report, results, runner, scenarios, spec
 from .predict import gpus
 from .predict import report as predict_report
 from .predict import runner as predict_runner
@@ -112,6 +114,22 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("--jobs", type=int, default=1, help="processes predicting in parallel (default 1)")
     pred.add_argument("--redo", action="store_true", help="predict again the cells the run already has")
     pred.set_defaults(func=cmd_predict)
+
+    ask_p = sub.add_parser("ask", help="will it fit? one cell predicted on this CPU, beside any published GPU "
+                                       "measurement of it (writes nothing; exit 0 fits, 1 does not, 3 not predicted)")
+    ask_p.add_argument("model", help=f"a registry model ({', '.join(m for m in models.registry() if not m.startswith('tiny'))}, "
+                                     "...) or a path to any model's config.json")
+    ask_p.add_argument("--seq", type=int, required=True, help="sequence length, tokens")
+    ask_p.add_argument("--batch", type=int, default=1, help="batch size per GPU (default 1)")
+    ask_p.add_argument("--stack", default="baseline", help="technique stack, as in matrix.yaml, e.g. 'gc + lora(r=16)' "
+                                                           "(default baseline)")
+    ask_p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) for an FSDP2 or DDP stack (default 1)")
+    ask_p.add_argument("--checkpoint", default="none", help="none | model | full: a save after the last step")
+    ask_p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(gpus.GPUS)} (default h100)")
+    ask_p.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
+    ask_p.add_argument("--host-memory-gib", type=float, help="the host's RAM, GiB: an offload stack says whether it fits")
+    ask_p.add_argument("--json", action="store_true", help="the predicted row and the measured rows as JSON")
+    ask_p.set_defaults(func=cmd_ask)
 
     fit_p = sub.add_parser("fit", help="per budget: the largest batch (and at batch 1 the longest sequence) that trains")
     fit_p.add_argument("matrix", help="a matrix of matrix.yaml (--matrix-file)")
@@ -310,6 +328,23 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
     else:
         detail = str(row.get("unsupported_reason") or row.get("skip_reason") or row.get("error") or "").strip().splitlines()[-1]
     print(f"{row['status']:11} {cell.cell_id}  {detail}", flush=True)
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    model = args.model
+    if model.endswith(".json") or Path(model).is_file():
+        try:
+            model = models.register_file(Path(model))
+        except ValueError as err:
+            raise spec.SpecError(str(err)) from None
+    if any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
+        raise spec.SpecError("--gpu-memory-gib and --host-memory-gib must be positive")
+    card = dataclasses.replace(_gpu_kind(args.gpu), **({"memory_gib": args.gpu_memory_gib} if args.gpu_memory_gib else {}))
+    question = ask.Question(model, args.seq, args.batch, args.stack, args.gpus, args.checkpoint)
+    ask.cell_for(question)  # bad input (model, stack, sizes) is an error before anything runs
+    found = ask.answer(question, card, args.host_memory_gib, args.results_dir)
+    print(ask.as_json(found) if args.json else ask.text(found))
+    return ask.EXIT_CODES[found.verdict]
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ network) plus two keys of ours: `family` (which technique patches apply, e.g. li
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -49,6 +50,32 @@ def get(name: str) -> ModelSpec:
         return registry()[name]
     except KeyError:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(registry())}") from None
+
+
+def register_file(path: Path) -> str:
+    """A model outside the registry, from its config.json (as published on the hub: download that file
+    alone), registered for this process under the name of its folder (or file); returns the name.
+    ValueError, naming the problem, for a file that is not a config transformers can build."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable config.json ({err})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ValueError(f"{path}: a model's config.json is a JSON object with a 'model_type'")
+    stem = path.parent.name if path.name == "config.json" else path.stem
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
+    fields = {k: v for k, v in raw.items() if k not in _OUR_KEYS}
+    spec = ModelSpec(name, str(raw.get("family") or raw["model_type"]), str(path), json.dumps(fields, sort_keys=True))
+    try:
+        hf_config(spec, "sdpa")
+    except (ValueError, KeyError, TypeError) as err:  # e.g. a model_type this transformers does not know
+        first = str(err).split(". ")[0][:300]  # transformers' message goes on to list every model type it knows
+        raise ValueError(f"{path}: transformers cannot build this config: {first}") from None
+    known = registry().get(name)
+    if known is not None and known.config_json != spec.config_json:
+        raise ValueError(f"{path}: the registry's model {name!r} has another config; rename the file or folder")
+    registry()[name] = spec
+    return name
 
 
 def hf_config(spec: ModelSpec, attn_implementation: str):

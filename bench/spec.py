@@ -130,6 +130,11 @@ def get(path: str | Path, name: str) -> MatrixSpec:
     return matrices[name]
 
 
+def from_mapping(name: str, body: dict[str, Any]) -> MatrixSpec:
+    """A matrix not in matrix.yaml (e.g. `bench ask`'s one cell), checked as a matrix.yaml entry is."""
+    return _matrix(safe_name(name, "matrix"), body, name)
+
+
 def _matrix(name: str, body: dict[str, Any], where: str) -> MatrixSpec:
     _mapping(body, where)
     _no_unknown_keys(body, _MATRIX_KEYS, where)

@@ -138,15 +138,23 @@ def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance:
                          if value is not None),
         **found,
     }
-    peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
-    if memory is not None and peak is not None:
-        row["headroom_gib"] = memory - peak
-    host = host_needed_gib(row)
-    if opts.host_memory_gib is not None and host is not None:
-        row["host_fits"] = host <= opts.host_memory_gib
+    row.update(judged(row, memory, opts.host_memory_gib))
     results.write_atomic(raw_dir / f"{cell.cell_id}.json", row, results.PREDICTED)
     report(cell, row)
     return row
+
+
+def judged(row: dict[str, Any], memory_gib: float | None, host_memory_gib: float | None) -> dict[str, Any]:
+    """A predicted row against the card and the host: `headroom_gib` (the card's memory less the whole
+    device's peak, or less peak allocated where what lives outside torch is not known) and `host_fits`."""
+    out: dict[str, Any] = {}
+    peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
+    if memory_gib is not None and peak is not None:
+        out["headroom_gib"] = memory_gib - peak
+    host = host_needed_gib(row)
+    if host_memory_gib is not None and host is not None:
+        out["host_fits"] = host <= host_memory_gib
+    return out
 
 
 def host_needed_gib(row: dict[str, Any]) -> float | None:

@@ -1,0 +1,198 @@
+"""`bench ask`: will one training setup fit? One cell — a model, a sequence length, a batch per GPU,
+a technique stack, a card — predicted on this CPU by `bench predict`'s fake run, beside what a
+published GPU run measured for the same settings, where one did.
+
+    python -m bench ask llama-3.1-8b --seq 4096 --batch 2 --stack "gc + lora"
+    python -m bench ask path/to/Qwen3-8B/config.json --seq 8192 --stack "gc + lora" --gpu-memory-gib 24
+
+A model is a registry name (bench/model_configs) or any config.json transformers can build (a hub
+model's, downloaded alone: no weights are needed). Nothing is written under results/: the answer is
+printed, or with --json the predicted row and the measured rows as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import results, spec
+from .cells import Cell
+from .predict import gpus
+from .predict import runner as predict_runner
+
+# What a caller's exit code says (the CLI returns it): the verdict on the card and the host.
+EXIT_CODES = {"fits": 0, "not judged": 0, "does not fit": 1, "host_oom": 1, "not predicted": 3}
+
+
+@dataclass(frozen=True)
+class Question:
+    model: str  # a registry name (models.register_file adds a config file's)
+    seq_len: int
+    batch_size: int  # per GPU
+    stack: str = "baseline"
+    gpus: int = 1
+    checkpoint: str = "none"  # none | model | full: a save after the last step
+
+
+@dataclass(frozen=True)
+class Answer:
+    cell: Cell
+    card: gpus.GpuKind  # with the capacity asked for, if any
+    predicted: dict[str, Any]  # the prediction's columns; status ok | unsupported | skipped | error
+    measured: tuple[dict[str, Any], ...]  # published GPU rows of the same settings, any status
+
+    @property
+    def verdict(self) -> str:
+        """fits | does not fit | host_oom (the device fits, the host's RAM does not) | not judged (no
+        card capacity, or nothing known of what lives outside torch on it) | not predicted."""
+        p = self.predicted
+        if p.get("status") != "ok":
+            return "not predicted"
+        if p.get("fits") is False or self.live_tensors_exceed_card:
+            return "does not fit"
+        if p.get("host_fits") is False:
+            return "host_oom"
+        return "fits" if p.get("fits") else "not judged"
+
+
+    @property
+    def live_tensors_exceed_card(self) -> bool:
+        """Peak allocated alone above the card: no allocator can fit it, whatever lives outside torch."""
+        memory, allocated = self.card.memory_gib, self.predicted.get("peak_allocated_gib")
+        return memory is not None and allocated is not None and allocated > memory
+
+
+def cell_for(question: Question) -> tuple[Cell, str | None]:
+    """The question as a cell, planned as `bench predict` plans a GPU host's (same id as a matrix cell
+    of the same settings and steps), with the reason the plan would skip it, if any."""
+    matrix = spec.from_mapping("ask", {
+        "device": "cuda", "models": [question.model], "seq_lens": [question.seq_len],
+        "batch_sizes": [question.batch_size], "stacks": [question.stack], "gpus": [question.gpus],
+        "checkpoint": question.checkpoint,
+    })
+    (planned,) = predict_runner.plan(matrix, None)
+    return planned.cell, planned.skip_reason
+
+
+def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None, results_dir: Path) -> Answer:
+    """Predicts the cell on fake tensors (seconds to a minute on a CPU) and finds its measured rows."""
+    from .predict.fake import predict_cell  # imports torch and transformers: only when predicting
+
+    cell, skip_reason = cell_for(question)
+    if skip_reason is not None:
+        predicted: dict[str, Any] = {"status": "skipped", "skip_reason": skip_reason}
+    else:
+        predicted = {"prediction_method": predict_runner.METHOD, **predict_cell(cell, card)}  # a hybrid's says so
+        predicted.update(predict_runner.judged(predicted, card.memory_gib, host_memory_gib))
+    return Answer(cell, card, predicted, tuple(measured_rows(results_dir, cell)))
+
+
+def measured_rows(results_dir: Path, cell: Cell) -> list[dict[str, Any]]:
+    """Every published GPU row with the cell's settings — model, sequence, batch, stack, ranks, save —
+    whatever the matrix, its steps or the run; a budget-capped fit probe is not the same cell."""
+    found = []
+    for path in sorted(results_dir.glob("*/runs/*.parquet")):
+        frame = results.read_parquet(path)
+        same = frame[(frame["device"] == "cuda") & (frame["model"] == cell.model) & (frame["seq_len"] == cell.seq_len)
+                     & (frame["batch_size"] == cell.batch_size) & (frame["stack"] == cell.stack.label)
+                     & (frame["gpus"].fillna(1) == cell.gpus) & (frame["checkpoint"].fillna("none") == cell.checkpoint)
+                     & frame["budget_gib"].isna()]
+        found += [_plain(row) for row in same.to_dict("records")]
+    return found
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """A parquet row with its missing values as None (JSON-able, and `is None` means missing)."""
+    return {k: None if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA else v
+            for k, v in row.items()}
+
+
+def text(a: Answer) -> str:
+    """The answer for a person: the prediction, labelled as one, the verdict, and any measurement."""
+    c, p = a.cell, a.predicted
+    ranks = f"{c.gpus} GPUs (per GPU)" if c.gpus > 1 else "1 GPU"
+    capacity = f" ({a.card.memory_gib:.2f} GiB)" if a.card.memory_gib is not None else ""
+    lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, stack {c.stack.label}, {ranks}: "
+             f"{a.card.name}{capacity}", f"cell {c.cell_id}"]
+    if p["status"] == "ok":
+        lines += _predicted_lines(a)
+    else:
+        why = p.get("unsupported_reason") or p.get("skip_reason") or p.get("error") or ""
+        lines.append(f"not predicted ({p['status']}): {str(why).strip().splitlines()[-1] if why else ''}")
+    lines.append(f"verdict: {a.verdict}{_verdict_detail(a)}")
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for row in a.measured:
+        by_run.setdefault(row["run_id"], []).append(row)
+    lines += [_measured_line(rows) for rows in by_run.values()] or ["measured: no published GPU run has this cell"]
+    return "\n".join(lines)
+
+
+def _predicted_lines(a: Answer) -> list[str]:
+    p = a.predicted
+    op = f", {p['peak_op']}" if p.get("peak_op") else ""
+    lines = [f"predicted on this CPU ({p.get('prediction_method', predict_runner.METHOD)}, {p['predict_s']:.1f} s): "
+             "a prediction, not a measurement",
+             f"  peak allocated  {p['peak_allocated_gib']:8.2f} GiB  in {p['peak_phase']}{op}",
+             f"  peak reserved   {p['peak_reserved_gib']:8.2f} GiB  what the caching allocator holds"]
+    if p.get("device_peak_gib") is not None:
+        lines.append(f"  whole device    {p['device_peak_gib']:8.2f} GiB  + {a.card.outside_torch_gib:.2f} GiB outside "
+                     "torch (CUDA context), measured on this GPU kind")
+    at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
+    lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
+    if p.get("host_peak_gib") is not None:
+        lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  offload's pinned copies and "
+                     "worker processes")
+    return lines
+
+
+_AT_PEAK = (("weights", "at_peak_weights_gib"), ("gradients", "at_peak_gradients_gib"),
+            ("optimizer state", "at_peak_optimizer_state_gib"), ("activations", "at_peak_activations_gib"),
+            ("temporaries", "at_peak_temporaries_gib"), ("inputs", "at_peak_inputs_gib"),
+            ("workspace", "at_peak_workspace_gib"))
+
+
+def _verdict_detail(a: Answer) -> str:
+    p = a.predicted
+    if a.verdict == "fits" and p.get("headroom_gib") is not None:
+        return f", {p['headroom_gib']:.2f} GiB to spare on the card"
+    if a.verdict == "does not fit" and p.get("device_peak_gib") is not None:
+        return f": the whole device would need {p['device_peak_gib']:.2f} GiB"
+    if a.verdict == "does not fit":
+        return f": live tensors alone peak at {p['peak_allocated_gib']:.2f} GiB"
+    if a.verdict == "host_oom":
+        return f": the host needs {predict_runner.host_needed_gib(p):.2f} GiB of RAM"
+    if a.verdict == "not judged" and p.get("status") == "ok":
+        if a.card.memory_gib is None:
+            return " (this GPU kind's capacity is not measured: pass --gpu-memory-gib)"
+        spare = a.card.memory_gib - p["peak_reserved_gib"]
+        h100 = gpus.GPUS["h100"]
+        return (f": {spare:.2f} GiB of the card would be left beside peak reserved for the CUDA context and "
+                f"libraries, not measured on this GPU kind ({h100.outside_torch_gib:.2f} GiB on an H100)")
+    return ""
+
+
+def _measured_line(rows: list[dict[str, Any]]) -> str:
+    """One run's rows of the cell (its repeats): the first's figures, and the spread of peak reserved."""
+    row = rows[0]
+    figures = ", ".join(f"{label} {row[column]:.2f} GiB" for label, column in (
+        ("peak allocated", "peak_allocated_gib"), ("reserved", "peak_reserved_gib"), ("device (NVML)", "nvml_peak_gib"))
+        if row.get(column) is not None)
+    reserved = [r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None]
+    repeats = ""
+    if len(rows) > 1 and reserved:
+        repeats = f"; {len(rows)} repeats, reserved {min(reserved):.2f} to {max(reserved):.2f} GiB"
+    why = row.get("skip_reason") or (row.get("error") if row["status"] != "ok" else None)
+    why = f" ({str(why).strip().splitlines()[-1]})" if why else ""
+    return (f"measured: {row['status']}{why} on {row.get('gpu_name') or 'a GPU'}, run {row['run_id']} "
+            f"(torch {row.get('torch_version') or '?'}){': ' + figures if figures else ''}{repeats}")
+
+
+def as_json(a: Answer) -> str:
+    return json.dumps({"cell_id": a.cell.cell_id, "verdict": a.verdict, "gpu": a.card.key,
+                       "gpu_memory_gib": a.card.memory_gib, "predicted": _plain(a.predicted),
+                       "measured": list(a.measured)}, default=str, indent=1)

@@ -1,0 +1,109 @@
+"""`bench ask`: one cell predicted on this CPU, its verdict on a card, beside the published GPU rows of
+the same settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import ask, cli, models, results
+from bench.predict import gpus
+
+REPO = Path(__file__).resolve().parents[1]
+H100 = gpus.GPUS["h100"]
+
+
+def _ask(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main(["--results-dir", str(tmp_path / "results"), "ask", *args])
+    return code, capsys.readouterr().out
+
+
+def _measured(cell_id: str, run_id: str, status: str, reserved: float | None, **settings: object) -> dict:
+    return {"schema_version": results.SCHEMA_VERSION, "run_id": run_id, "cell_id": cell_id, "status": status,
+            "device": "cuda", "gpu_name": H100.name, "peak_allocated_gib": 0.5, "peak_reserved_gib": reserved,
+            "started_at": "2026-11-24T00:00:00+00:00", **settings}
+
+
+def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_measurement(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 2, "gc"))
+    same = {"model": "tiny-llama", "seq_len": 64, "batch_size": 2, "stack": "gc", "gpus": 1}
+    results.write_parquet([
+        _measured(cell.cell_id, "gpu-run", "ok", 0.75, **same),
+        _measured("other", "gpu-run", "ok", 9.0, **{**same, "batch_size": 4}),  # another batch: not this cell
+        _measured("capped", "gpu-fit", "oom", None, **same, budget_gib=0.1),  # a fit probe under a cap: not it
+    ], tmp_path / "results" / "m" / "runs" / "gpu-run.parquet")
+
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
+    assert code == 0, out
+    assert f"cell {cell.cell_id}" in out and "a prediction, not a measurement" in out
+    assert "verdict: fits" in out and "GiB to spare on the card" in out
+    assert "measured: ok on NVIDIA H100 80GB HBM3, run gpu-run" in out and "reserved 0.75 GiB" in out
+    assert out.count("measured:") == 1  # neither the other batch nor the capped probe
+
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc", "--json")
+    answer = json.loads(out)
+    assert answer["verdict"] == "fits" and answer["predicted"]["fits"] is True
+    assert answer["predicted"]["prediction_method"].startswith("fake-run/")
+    assert [r["run_id"] for r in answer["measured"]] == ["gpu-run"]
+
+
+def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_3(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01")
+    assert code == 1 and "verdict: does not fit: the whole device would need" in out
+    assert "measured: no published GPU run has this cell" in out
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "compile")
+    assert code == 3 and "not predicted (unsupported): compile:" in out
+
+
+def test_any_models_config_json_can_be_asked_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hub model's config.json, downloaded alone, is a model: named after its folder."""
+    folder = tmp_path / "My-Llama"
+    folder.mkdir()
+    config = {**models.get("tiny-llama").hf_fields, "torch_dtype": "bfloat16", "transformers_version": "4.51.0"}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, out = _ask(tmp_path, capsys, str(folder / "config.json"), "--seq", "64", "--stack", "lora")
+    assert code == 0, out
+    assert out.startswith("My-Llama, seq 64, batch 1, stack lora, 1 GPU") and "verdict: fits" in out
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("not json", "not a readable config.json"),
+    ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),
+    ('{"model_type": "no_such_model_type"}', "transformers cannot build this config: Unrecognized model identifier"),
+])
+def test_a_config_file_that_is_not_a_model_is_exit_2_naming_the_problem(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    assert cli.main(["--results-dir", str(tmp_path), "ask", str(path), "--seq", "64"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err) < 500  # not transformers' list of every model type
+
+
+@pytest.mark.parametrize("args", [["nosuch", "--seq", "64"], ["tiny-llama", "--seq", "0"],
+                                  ["tiny-llama", "--seq", "64", "--stack", "gc + nosuch"],
+                                  ["tiny-llama", "--seq", "64", "--checkpoint", "half"],
+                                  ["tiny-llama", "--seq", "64", "--gpu", "v100"]])
+def test_bad_questions_are_exit_2_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       args: list[str]) -> None:
+    assert cli.main(["--results-dir", str(tmp_path), "ask", *args]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def _answer(card: gpus.GpuKind = H100, **predicted: object) -> ask.Answer:
+    cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1))
+    return ask.Answer(cell, card, {"status": "ok", "peak_allocated_gib": 10.0, **predicted}, ())
+
+
+def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judge() -> None:
+    assert _answer(fits=True).verdict == "fits"
+    assert _answer(fits=False).verdict == "does not fit"
+    assert _answer(fits=True, host_fits=False).verdict == "host_oom"
+    assert _answer(status="unsupported").verdict == "not predicted"
+    unmeasured = gpus.GpuKind("x", "a card whose context is not measured", (8, 9), memory_gib=24.0)
+    assert _answer(unmeasured).verdict == "not judged"  # reserved + an unknown context
+    assert _answer(unmeasured, peak_allocated_gib=30.0).verdict == "does not fit"  # live tensors alone exceed it
