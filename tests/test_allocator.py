@@ -139,6 +139,19 @@ def test_expandable_segments_unmap_free_pages_and_retry_before_an_oom() -> None:
 
 
 @pytest.mark.parametrize("expandable", [False, True])
+def test_an_empty_tensor_takes_no_block(expandable: bool) -> None:
+    """The caching allocator serves 0 bytes with a null pointer and no block (torch 2.11's fake run of a
+    checkpointed forward makes such tensors): an empty allocation neither maps a segment nor splits one."""
+    events = [("malloc", 0, 12), ("malloc", 1, 0), ("free", 1, 0),  # no 2 MiB segment for it
+              ("malloc", 2, 0.5), ("free", 2, 0.5), ("malloc", 3, 0), ("malloc", 4, 0),  # nor a split of a cached block
+              ("free", 3, 0), ("free", 4, 0), ("malloc", 5, 0.5), ("malloc", 6, 1), ("free", 5, 0.5), ("free", 6, 1)]
+    with_empty = _reserved(*events, expandable=expandable)
+    without = _reserved(*(e for e in events if e[2]), expandable=expandable)
+    assert with_empty.peak_reserved_bytes == without.peak_reserved_bytes
+    assert with_empty.reserved_bytes == without.reserved_bytes
+
+
+@pytest.mark.parametrize("expandable", [False, True])
 def test_empty_cache_releases_every_free_segment(expandable: bool) -> None:
     """torch.cuda.empty_cache() (a "release" event, bench/deferred.py's after its replay): the cached 30 MiB
     go back to CUDA, a block still in use keeps its segment, and the next request maps anew."""

@@ -334,6 +334,8 @@ def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
         while wanted and wanted[0] <= index:
             state.samples.append(state.reserved_bytes)
             wanted.pop(0)
+        if nbytes == 0 and kind != "release":  # an empty tensor: CUDA's allocator returns a null pointer, no block
+            continue
         if kind == "free":
             state.free(live.pop(ident))
             continue
