@@ -28,8 +28,9 @@ from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
 from . import gpus
 
-METHOD = "fake-run/4"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
-# attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's)
+METHOD = "fake-run/5"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+# attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
+# 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's)
 
 
 @dataclass(frozen=True)
