@@ -59,7 +59,6 @@ class Answer:
             return "host_oom"
         return "fits" if p.get("fits") else "not judged"
 
-
     @property
     def live_tensors_exceed_card(self) -> bool:
         """Peak allocated alone above the card: no allocator can fit it, whatever lives outside torch."""
