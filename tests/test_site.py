@@ -51,7 +51,7 @@ def test_one_primary_record_per_cell_source_and_gpu(site_data_: site_data.SiteDa
 
 
 def test_predicted_cells_carry_the_error_prediction_md_reports(site_data_: site_data.SiteData) -> None:
-    both = predict_report.pairs(predict_report.measured_gpu_cells(RESULTS), predict_report.predictions(RESULTS))
+    both = predict_report.checked(RESULTS)
     assert len(both) > 0
     expected = dict(zip(both["cell_id"], both["reserved_error_frac"], strict=True))
     with_error = {c["cell_id"]: c["error"] for c in site_data_.cells if c["source"] == "predicted" and c["error"] is not None}

@@ -1,8 +1,11 @@
 """Predictions against measurements: results/PREDICTION.md, and the pairs the leaderboards show.
 
 A pair is one GPU cell that was measured (a published run's `ok` row, repeats folded: the max) and
-predicted (the newest `ok` prediction of the same cell id). The error is predicted − measured peak
-allocated, in GiB and as a fraction of measured. Generated, never edited by hand.
+predicted: the newest `ok` prediction of the same cell id made with the measured run's software (torch
+and transformers releases), else the newest made with any. The fake run is the training step itself,
+so it follows the software it runs on: a prediction made under other releases than the GPU's is a
+prediction of other software. The error is predicted − measured peak allocated, in GiB and as a
+fraction of measured. Generated, never edited by hand.
 """
 
 from __future__ import annotations
@@ -15,14 +18,23 @@ from .. import results, segments
 from ..views import by_cell
 
 
-def predictions(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
-    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id."""
+def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False) -> pd.DataFrame:
+    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id; with
+    every_software, the newest per cell id and software (see `software`), for `pairs` to choose from."""
     pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
     frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
     if not frames:
         return results.to_frame([], results.PREDICTED)
     frame = pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable")
-    return frame.drop_duplicates("cell_id", keep="last").reset_index(drop=True)
+    keys = frame.assign(software=software(frame))[["cell_id", "software"] if every_software else ["cell_id"]]
+    return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
+
+
+def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
+    """The releases a row ran under, as one label: 'torch 2.11.0, transformers 5.17.0' (a build's local
+    tag, +cpu or +cu130, dropped: the same release runs the same Python code on either)."""
+    torch = frame[f"torch_version{suffix}"].fillna("?").astype(str).str.split("+").str[0]
+    return "torch " + torch + ", transformers " + frame[f"transformers_version{suffix}"].fillna("?").astype(str)
 
 
 def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
@@ -38,19 +50,31 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
     return frame.assign(run_id=frame["cell_id"].map(gpu_runs))  # every run that measured the cell
 
 
-def pairs(measured: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
-    """Measured cells with an `ok` prediction: both peaks and the error."""
+def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool = False) -> pd.DataFrame:
+    """Measured cells with an `ok` prediction: both peaks and the error. Where a cell has several
+    predictions, the newest made with the measured run's software, else the newest; with any_software,
+    every prediction of the cell (one pair each)."""
     ok = predicted[predicted["status"] == "ok"]
     both = measured.merge(ok, on="cell_id", suffixes=("", "_predicted"))
+    both["same_software"] = software(both) == software(both, "_predicted")
+    if not any_software:
+        both = both.sort_values(["same_software", "started_at_predicted"], kind="stable")
+        both = both.drop_duplicates("cell_id", keep="last")
     both["error_gib"] = both["peak_allocated_gib_predicted"] - both["peak_allocated_gib"]
     both["error_frac"] = both["error_gib"] / both["peak_allocated_gib"]
     both["reserved_error_frac"] = (both["peak_reserved_gib_predicted"] - both["peak_reserved_gib"]) / both["peak_reserved_gib"]
     return both.sort_values(["model", "seq_len", "stack", "batch_size"]).reset_index(drop=True)
 
 
+def checked(results_dir: Path) -> pd.DataFrame:
+    """Every published GPU cell beside its prediction (`pairs`), chosen from every software's."""
+    return pairs(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True))
+
+
 def markdown(measured: pd.DataFrame, predicted: pd.DataFrame) -> str:
+    """PREDICTION.md; `predicted` may hold several predictions of a cell, one per software."""
     both = pairs(measured, predicted)
-    known = predicted.set_index("cell_id")
+    known = predicted.drop_duplicates("cell_id", keep="last").set_index("cell_id")  # each cell's newest word
     unsupported = measured[measured["cell_id"].map(lambda c: c in known.index and known.loc[c, "status"] == "unsupported")]
     missing = measured[~measured["cell_id"].isin(known.index)]
     lines = ["# Predicted vs measured peak memory", "",
@@ -62,6 +86,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame) -> str:
              "Error = predicted − measured. Generated by `python -m bench predict`; never edited by hand.", ""]
     lines += _sources(both)
     lines += _summary(both, len(unsupported), len(missing))
+    lines += _by_software(measured, predicted)
     lines += _by_method(both, predicted)
     if len(both):
         lines += ["| cell | stack | seq | batch | allocated GiB: measured | predicted | error | "
@@ -140,7 +165,7 @@ METHODS = (
 
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     """Per way of predicting: cells predicted, cells measured to check them, and the errors; and host RAM."""
-    ok = predicted[predicted["status"] == "ok"]
+    ok = predicted[predicted["status"] == "ok"].drop_duplicates("cell_id", keep="last")
     lines = ["### By method", "", "| method | cells predicted | measured GPU cells to check them | allocated: median / "
              "max abs error | reserved: median / max abs error |", "|---|---|---|---|---|"]
     for label, of in METHODS:
@@ -165,6 +190,28 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
                   f"{_host_verdict(r.get('host_fits'))} |" for _, r in host.sort_values("cell_id").iterrows()]
         lines.append("")
     return lines
+
+
+def _by_software(measured: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
+    """The measured cells predicted under every one of several software releases: each release's errors
+    on the same cells (the fake run runs the step itself, so it follows the code it runs on)."""
+    every = pairs(measured, predicted, any_software=True)
+    every = every.assign(software_predicted=software(every, "_predicted"))
+    releases = every.groupby("software_predicted")["cell_id"].agg(set)
+    if len(releases) < 2:
+        return []
+    common = set.intersection(*releases)
+    lines = ["### By software", "",
+             f"The {len(common)} measured cells predicted under each of these releases (measured under "
+             f"{', '.join(sorted(set(software(every))))}); the tables above use the prediction made with the "
+             "measured run's releases where there is one.", "",
+             "| predicted under | cells | allocated: median / max abs error | reserved: median / max abs error | "
+             "reserved over 1% | over 3% |", "|---|---|---|---|---|---|"]
+    for label, group in every[every["cell_id"].isin(common)].groupby("software_predicted"):
+        reserved = group["reserved_error_frac"].dropna().abs()
+        lines.append(f"| {label} | {len(group)} | {_median_max(group['error_frac'])} | "
+                     f"{_median_max(group['reserved_error_frac'])} | {(reserved > 0.01).sum()} | {(reserved > 0.03).sum()} |")
+    return [*lines, ""]
 
 
 def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
@@ -213,7 +260,7 @@ def _signed(x: object) -> str:
 
 def publish(results_dir: Path) -> Path:
     path = results_dir / "PREDICTION.md"
-    path.write_text(markdown(measured_gpu_cells(results_dir), predictions(results_dir)))
+    path.write_text(markdown(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True)))
     return path
 
 

@@ -150,7 +150,7 @@ def _prediction_errors(results_dir: Path) -> tuple[dict[tuple[str, str], float],
     """(cell id, GPU name) -> relative error of predicted peak reserved, where both exist; and the
     summary of the one-rank fake run's errors (the other methods say on each cell that they are
     unchecked until a measurement checks them)."""
-    both = predict_report.pairs(predict_report.measured_gpu_cells(results_dir), predict_report.predictions(results_dir))
+    both = predict_report.checked(results_dir)
     errors, one_rank = {}, []
     for row in both.to_dict("records"):
         if row.get("reserved_error_frac") is None or pd.isna(row["reserved_error_frac"]):

@@ -1,0 +1,58 @@
+"""PREDICTION.md's pairing: a measured cell is compared with the prediction made under the measured
+run's software (torch and transformers releases) where one exists, whatever the predictions' order."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench.predict import report
+from conftest import REPO
+
+MEASURED_RUN = REPO / "results" / "llama3b" / "runs" / "llama3b-h100-20261122.parquet"
+PREDICTED_RUN = REPO / "results" / "llama3b" / "predicted" / "llama3b-predicted-h100-20261123.parquet"
+
+
+def _results_with_a_second_software(tmp_path: Path, started_at: str) -> Path:
+    """The published llama3b run and its predictions, plus a copy of those predictions relabelled as
+    made under the GPU's releases, each prediction equal to the measurement (a stand-in, test-only)."""
+    (tmp_path / "llama3b" / "runs").mkdir(parents=True)
+    (tmp_path / "llama3b" / "predicted").mkdir(parents=True)
+    shutil.copy(MEASURED_RUN, tmp_path / "llama3b" / "runs")
+    shutil.copy(PREDICTED_RUN, tmp_path / "llama3b" / "predicted")
+    measured = pd.read_parquet(MEASURED_RUN).drop_duplicates("cell_id").set_index("cell_id")
+    other = pd.read_parquet(PREDICTED_RUN)
+    other = other[other["cell_id"].isin(measured.index[measured["status"] == "ok"])].copy()
+    other["run_id"], other["started_at"] = "same-software", started_at
+    other["torch_version"], other["transformers_version"] = "2.11.0+cu130", "5.17.0"
+    for column in ("peak_allocated_gib", "peak_reserved_gib"):
+        other[column] = other["cell_id"].map(measured[column]).astype(other[column].dtype)
+    other.to_parquet(tmp_path / "llama3b" / "predicted" / "same-software.parquet")
+    return tmp_path
+
+
+@pytest.mark.parametrize("started_at", ["2000-01-01T00:00:00+00:00", "2100-01-01T00:00:00+00:00"])
+def test_a_measured_cell_is_paired_with_the_prediction_under_its_own_software(tmp_path: Path, started_at: str) -> None:
+    results_dir = _results_with_a_second_software(tmp_path, started_at)
+    both = report.checked(results_dir)
+    assert len(both) == both["cell_id"].nunique() > 0
+    assert set(both["run_id_predicted"]) == {"same-software"}  # older or newer than the other predictions
+    assert both["reserved_error_frac"].abs().max() == 0
+    # a board's newest-per-cell view still holds one prediction per cell
+    newest = report.predictions(results_dir)
+    assert newest["cell_id"].is_unique
+
+
+def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: Path) -> None:
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
+    section = text.split("### By software", 1)[1].split("\n\n", 2)[2].split("\n\n")[0].splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in section[2:]}
+    assert set(rows) == {"torch 2.11.0, transformers 5.17.0", "torch 2.13.0, transformers 5.23.0"}
+    same, other = rows["torch 2.11.0, transformers 5.17.0"], rows["torch 2.13.0, transformers 5.23.0"]
+    assert same[1] == other[1] == str(len(report.checked(results_dir)))  # the same cells on each row
+    assert same[3] == "0.00% / 0.00%" and other[3] != same[3]
+    assert "**56 cells compared**" in text  # one pair per measured cell, not one per prediction
