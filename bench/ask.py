@@ -20,9 +20,10 @@ from typing import Any
 
 import pandas as pd
 
-from . import results, spec
+from . import envinfo, results, spec
 from .cells import Cell
 from .predict import gpus
+from .predict import report as predict_report
 from .predict import runner as predict_runner
 
 # What a caller's exit code says (the CLI returns it): the verdict on the card and the host.
@@ -86,7 +87,9 @@ def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None
     if skip_reason is not None:
         predicted: dict[str, Any] = {"status": "skipped", "skip_reason": skip_reason}
     else:
-        predicted = {"prediction_method": predict_runner.METHOD, **predict_cell(cell, card)}  # a hybrid's says so
+        releases = envinfo.versions()
+        predicted = {"prediction_method": predict_runner.METHOD, "torch_version": releases["torch"],
+                     "transformers_version": releases["transformers"], **predict_cell(cell, card)}  # a hybrid's says so
         predicted.update(predict_runner.judged(predicted, card.memory_gib, host_memory_gib))
     return Answer(cell, card, predicted, tuple(measured_rows(results_dir, cell)))
 
@@ -128,14 +131,21 @@ def text(a: Answer) -> str:
     for row in a.measured:
         by_run.setdefault(row["run_id"], []).append(row)
     lines += [_measured_line(rows) for rows in by_run.values()] or ["measured: no published GPU run has this cell"]
+    if p["status"] == "ok" and any(_software(row) != _software(p) for row in a.measured):
+        lines.append("  measured under other releases than predicted here: the fake run runs the step's own code, "
+                     "so it follows the releases it runs on (results/PREDICTION.md, By software)")
     return "\n".join(lines)
+
+
+def _software(row: dict[str, Any]) -> str:
+    return predict_report.software_label(row.get("torch_version"), row.get("transformers_version"))
 
 
 def _predicted_lines(a: Answer) -> list[str]:
     p = a.predicted
     op = f", {p['peak_op']}" if p.get("peak_op") else ""
-    lines = [f"predicted on this CPU ({p.get('prediction_method', predict_runner.METHOD)}, {p['predict_s']:.1f} s): "
-             "a prediction, not a measurement",
+    lines = [f"predicted on this CPU under {_software(p)} ({p.get('prediction_method', predict_runner.METHOD)}, "
+             f"{p['predict_s']:.1f} s): a prediction, not a measurement",
              f"  peak allocated  {p['peak_allocated_gib']:8.2f} GiB  in {p['peak_phase']}{op}",
              f"  peak reserved   {p['peak_reserved_gib']:8.2f} GiB  what the caching allocator holds"]
     if p.get("device_peak_gib") is not None:
@@ -188,7 +198,7 @@ def _measured_line(rows: list[dict[str, Any]]) -> str:
     why = row.get("skip_reason") or (row.get("error") if row["status"] != "ok" else None)
     why = f" ({str(why).strip().splitlines()[-1]})" if why else ""
     return (f"measured: {row['status']}{why} on {row.get('gpu_name') or 'a GPU'}, run {row['run_id']} "
-            f"(torch {row.get('torch_version') or '?'}){': ' + figures if figures else ''}{repeats}")
+            f"({_software(row)}){': ' + figures if figures else ''}{repeats}")
 
 
 def as_json(a: Answer) -> str:

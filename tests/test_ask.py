@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ask, cli, models, results
+from bench import ask, cli, envinfo, models, results
 from bench.predict import gpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,10 +20,14 @@ def _ask(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tupl
     return code, capsys.readouterr().out
 
 
+HERE = envinfo.versions()  # the releases this CPU predicts under
+
+
 def _measured(cell_id: str, run_id: str, status: str, reserved: float | None, **settings: object) -> dict:
     return {"schema_version": results.SCHEMA_VERSION, "run_id": run_id, "cell_id": cell_id, "status": status,
             "device": "cuda", "gpu_name": H100.name, "peak_allocated_gib": 0.5, "peak_reserved_gib": reserved,
-            "started_at": "2026-11-24T00:00:00+00:00", **settings}
+            "started_at": "2026-11-24T00:00:00+00:00", "torch_version": HERE["torch"],
+            "transformers_version": HERE["transformers"], **settings}
 
 
 def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_measurement(
@@ -42,12 +46,21 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert "verdict: fits" in out and "GiB to spare on the card" in out
     assert "measured: ok on NVIDIA H100 80GB HBM3, run gpu-run" in out and "reserved 0.75 GiB" in out
     assert out.count("measured:") == 1  # neither the other batch nor the capped probe
+    assert f"under torch {HERE['torch'].split('+')[0]}, transformers {HERE['transformers']}" in out
+    assert "measured under other releases" not in out
+
+    older = {**same, "torch_version": "2.11.0", "transformers_version": "5.17.0"}
+    results.write_parquet([_measured(cell.cell_id, "older-gpu-run", "ok", 0.8, **older)],
+                          tmp_path / "results" / "m" / "runs" / "older-gpu-run.parquet")
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
+    assert "run older-gpu-run (torch 2.11.0, transformers 5.17.0)" in out
+    assert "measured under other releases than predicted here" in out
 
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc", "--json")
     answer = json.loads(out)
     assert answer["verdict"] == "fits" and answer["predicted"]["fits"] is True
     assert answer["predicted"]["prediction_method"].startswith("fake-run/")
-    assert [r["run_id"] for r in answer["measured"]] == ["gpu-run"]
+    assert [r["run_id"] for r in answer["measured"]] == ["gpu-run", "older-gpu-run"]
 
 
 def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_3(

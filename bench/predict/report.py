@@ -30,11 +30,20 @@ def predictions(results_dir: Path, matrix: str | None = None, every_software: bo
     return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
 
 
-def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
+def software_label(torch_version: object, transformers_version: object) -> str:
     """The releases a row ran under, as one label: 'torch 2.11.0, transformers 5.17.0' (a build's local
     tag, +cpu or +cu130, dropped: the same release runs the same Python code on either)."""
-    torch = frame[f"torch_version{suffix}"].fillna("?").astype(str).str.split("+").str[0]
-    return "torch " + torch + ", transformers " + frame[f"transformers_version{suffix}"].fillna("?").astype(str)
+    def text(v: object) -> str:
+        return "?" if v is None or pd.isna(v) else str(v)  # type: ignore[arg-type]
+
+    return f"torch {text(torch_version).split('+')[0]}, transformers {text(transformers_version)}"
+
+
+def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
+    """Each row's `software_label` (columns torch_version and transformers_version, with the suffix)."""
+    labels = [software_label(t, tr) for t, tr in zip(frame[f"torch_version{suffix}"],
+                                                     frame[f"transformers_version{suffix}"], strict=True)]
+    return pd.Series(labels, index=frame.index, dtype=object)
 
 
 def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
