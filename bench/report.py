@@ -36,8 +36,9 @@ class Plan:
 
 def leaderboard(frame: pd.DataFrame, command: str, ladder: tuple[str, ...] = (), plots: tuple[str, ...] = (),
                 predicted: pd.DataFrame | None = None, plan: Plan | None = None) -> str:
-    """The board of a run; `predicted` (bench predict's rows of these cells) adds, per model and
-    sequence length, the predicted peak allocated beside the measured one; `plan` states coverage."""
+    """The board of a run; `predicted` (bench predict's rows of these cells; a cell's under several releases:
+    the measured run's are shown) adds, per model and sequence length, the predicted peak allocated beside the
+    measured one; `plan` states coverage."""
     runs = frame
     frame = by_cell(frame).sort_values(["model", "seq_len", "stack", "batch_size"])
     mem_col = peak_column(frame)
@@ -291,12 +292,13 @@ def publish(parquet: Path, ladder: tuple[str, ...] = (), plan: Plan | None = Non
     (with plots/) from its headline run. Returns (run board, leaderboard)."""
     run_board = parquet.with_suffix(".md")
     matrix_dir = parquet.parent.parent
-    predicted = predictions(matrix_dir.parent, matrix_dir.name)
+    predicted = predictions(matrix_dir.parent, matrix_dir.name, every_software=True)  # beside measured: pairs picks
     run_frame = read_parquet(parquet)
     run_board.write_text(leaderboard(run_frame, reproduce_command(run_frame, plan), ladder, predicted=predicted, plan=plan))
     headline = headline_run(matrix_dir)
     frame = read_parquet(headline)
-    plots = write_plots(frame, matrix_dir / "plots", predicted)
+    newest = predicted.drop_duplicates("cell_id", keep="last")  # the plots: one prediction per cell
+    plots = write_plots(frame, matrix_dir / "plots", newest)
     board = matrix_dir / "LEADERBOARD.md"
     board.write_text(leaderboard(frame, reproduce_command(frame, plan), ladder,
                                  tuple(str(p.relative_to(matrix_dir)) for p in plots), predicted, plan))

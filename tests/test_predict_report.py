@@ -3,12 +3,14 @@ run's software (torch and transformers releases) where one exists, whatever the 
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from bench import report as bench_report
 from bench.predict import report
 from conftest import REPO
 
@@ -56,3 +58,11 @@ def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: P
     assert same[1] == other[1] == str(len(report.checked(results_dir)))  # the same cells on each row
     assert same[3] == "0.00% / 0.00%" and other[3] != same[3]
     assert "**56 cells compared**" in text  # one pair per measured cell, not one per prediction
+
+
+def test_a_board_shows_the_prediction_under_the_measured_runs_software(tmp_path: Path) -> None:
+    results_dir = _results_with_a_second_software(tmp_path, "2000-01-01T00:00:00+00:00")  # older than the other
+    _, board = bench_report.publish(results_dir / "llama3b" / "runs" / MEASURED_RUN.name)
+    beside = [line for line in board.read_text().splitlines() if line.startswith("| `") and " / " in line]
+    errors = {e for line in beside for e in re.findall(r"\(([+-]\d+\.\d+)%\)", line)}
+    assert beside and errors <= {"+0.00", "-0.00"}  # the stand-in predicts every measured figure exactly
