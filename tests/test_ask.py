@@ -49,11 +49,11 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert f"under torch {HERE['torch'].split('+')[0]}, transformers {HERE['transformers']}" in out
     assert "measured under other releases" not in out
 
-    older = {**same, "torch_version": "2.11.0", "transformers_version": "5.17.0"}
+    older = {**same, "torch_version": "2.0.1", "transformers_version": "4.40.0"}  # releases no venv here has
     results.write_parquet([_measured(cell.cell_id, "older-gpu-run", "ok", 0.8, **older)],
                           tmp_path / "results" / "m" / "runs" / "older-gpu-run.parquet")
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
-    assert "run older-gpu-run (torch 2.11.0, transformers 5.17.0)" in out
+    assert "run older-gpu-run (torch 2.0.1, transformers 4.40.0)" in out
     assert "measured under other releases than predicted here" in out
 
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc", "--json")

@@ -57,10 +57,12 @@ def test_fsdp_on_two_ranks_tracks_the_baseline(workdir: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {(r["gpus"], r["stack"]): r for r in raw_rows(workdir, "f").values() if r["status"] != "skipped"}
     base = json.loads(rows[(1, "baseline")]["losses_json"])
-    for key in ((1, "fsdp"), (2, "fsdp"), (2, "fsdp(precision=mixed)")):
+    # bf16 compute rounds each op to 8 bits of mantissa: its losses track the fp32 baseline's to about 0.5%
+    # (torch 2.11's CPU bf16 kernels: 0.46% at the first step; 2.13's: under 0.1%), the fp32 ones to 0.1%
+    for key, rel in (((1, "fsdp"), 1e-3), ((2, "fsdp"), 1e-3), ((2, "fsdp(precision=mixed)"), 1e-2)):
         row = rows[key]
         assert row["status"] == "ok", row["error"]
-        assert json.loads(row["losses_json"]) == pytest.approx(base, rel=1e-3), key
+        assert json.loads(row["losses_json"]) == pytest.approx(base, rel=rel), key
         evidence = json.loads(row["evidence_json"])
         assert evidence["fsdp_world_size"] == key[0]
         assert evidence["fsdp_units"] == 2 + 1  # tiny-llama's two decoder layers and the root
