@@ -81,7 +81,7 @@ class Sources:
         measured, predicted = predict_report.measured_gpu_cells(results_dir), predict_report.predictions(results_dir)
         self.measured = _by_id(_failed_gpu_cells(results_dir), measured)
         self.predicted = predicted.set_index("cell_id", drop=False)
-        self.pairs = predict_report.checked(results_dir)
+        self.pairs = predict_report.pairs(measured, predict_report.predictions(results_dir, every_software=True))
 
     def figure(self, cell: cells.Cell | None, number: bool = False) -> Figure:
         """The measured row if there is one, else the prediction; `number`: a figure to compute with,
