@@ -109,3 +109,22 @@ def test_two_predictions_are_gated_on_their_predicted_peak_allocated(tmp_path: P
     assert report.startswith("# Regression check (predictions: no GPU ran): FAIL")
     assert f"| `{cell['cell_id']}` | regression |" in report and "+5.0%" in report
     assert cli.main(["compare", str(published), str(published)]) == 0
+
+
+def test_two_predictions_are_gated_on_predicted_reserved_too(tmp_path: Path) -> None:
+    """A release that moves an allocation changes reserved at the same allocated: the gate must see it."""
+    from bench import results
+
+    published = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
+    rows = results.read_parquet(published, results.PREDICTED).to_dict("records")
+    moved = [dict(r) for r in rows]
+    cell = next(r for r in moved if r["stack"] == "gc")
+    cell["peak_reserved_gib"] *= 1.05
+    results.write_parquet(moved, tmp_path / "cand.parquet", results.PREDICTED)
+    out = tmp_path / "report.md"
+    assert cli.main(["compare", str(published), str(tmp_path / "cand.parquet"), "--out", str(out)]) == 1
+    report = out.read_text()
+    assert "Gate: peak allocated and reserved each +max(2%" in report
+    assert "| allocated GiB | reserved GiB |" in report
+    line = next(x for x in report.splitlines() if cell["cell_id"] in x)
+    assert "| regression |" in line and "reserved +" in line and "+5.0%" in line and "allocated +" not in line
