@@ -11,11 +11,13 @@ from bench.predict import allocator
 MIB = 1 << 20
 
 
-def _reserved(*events: tuple[Any, ...], capacity_mib: float | None = None, expandable: bool = False) -> Any:
+def _reserved(*events: tuple[Any, ...], capacity_mib: float | None = None, expandable: bool = False,
+              max_split_mib: int | None = None) -> Any:
     """Replays (kind, id, MiB[, stream]) events."""
     capacity = None if capacity_mib is None else int(capacity_mib * MIB)
+    max_split = None if max_split_mib is None else max_split_mib * MIB
     return allocator.replay([(kind, ident, int(mib * MIB), *stream) for kind, ident, mib, *stream in events],
-                            capacity, expandable=expandable)
+                            capacity, expandable=expandable, max_split_bytes=max_split)
 
 
 def test_small_requests_share_2_mib_segments() -> None:
@@ -53,6 +55,45 @@ def test_before_an_oom_the_cache_is_released_and_the_request_retried() -> None:
     failed = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), ("malloc", 2, 20), capacity_mib=40)
     assert failed.oom_at == 3
     assert _reserved(("malloc", 0, 30), capacity_mib=40).oom_at is None
+
+
+# --- max_split_size_mb:64: blocks of 64 MiB or more are oversize ---
+
+def test_an_oversize_block_is_not_split_for_a_smaller_request() -> None:
+    events = [("malloc", 0, 100), ("free", 0, 100), ("malloc", 1, 30)]
+    assert _reserved(*events).peak_reserved_bytes == 100 * MIB  # the 100 MiB block is split
+    assert _reserved(*events, max_split_mib=64).peak_reserved_bytes == (100 + 30) * MIB
+
+
+def test_an_oversize_request_takes_a_block_less_than_20_mib_larger_whole() -> None:
+    reused = [("malloc", 0, 100), ("free", 0, 100), ("malloc", 1, 90), ("malloc", 2, 8)]
+    assert _reserved(*reused).peak_reserved_bytes == 100 * MIB  # 8 MiB fit in the 10 split off
+    assert _reserved(*reused, max_split_mib=64).peak_reserved_bytes == (100 + 20) * MIB  # not split: a new segment
+    wasteful = [("malloc", 0, 100), ("free", 0, 100), ("malloc", 1, 80)]
+    assert _reserved(*wasteful, max_split_mib=64).peak_reserved_bytes == (100 + 80) * MIB
+
+
+def test_before_the_whole_cache_the_smallest_oversize_block_that_holds_the_request_is_released() -> None:
+    cached = [("malloc", 0, 100), ("malloc", 1, 120), ("malloc", 2, 30), ("free", 0, 100), ("free", 1, 120),
+              ("free", 2, 30), ("malloc", 3, 70)]  # refused the 100 MiB block; 250 + 70 MiB exceed the card
+    state = _reserved(*cached, capacity_mib=300, max_split_mib=64)
+    assert state.oom_at is None and state.retries == 0
+    assert state.reserved_bytes == (120 + 30 + 70) * MIB  # only the 100 MiB segment went
+    assert _reserved(*cached, capacity_mib=300).reserved_bytes == (100 + 120 + 30) * MIB  # no limit: split the 100
+
+
+def test_failing_one_the_largest_oversize_blocks_are_released_until_the_request_fits() -> None:
+    cached = [("malloc", 0, 70), ("malloc", 1, 80), ("malloc", 2, 30), ("free", 0, 70), ("free", 1, 80),
+              ("free", 2, 30), ("malloc", 3, 140)]
+    state = _reserved(*cached, capacity_mib=180, max_split_mib=64)
+    assert state.oom_at is None and state.retries == 0 and state.reserved_bytes == (30 + 140) * MIB
+    everything = _reserved(*cached, capacity_mib=180)  # no limit: the whole cache, the 30 MiB segment too
+    assert everything.retries == 1 and everything.reserved_bytes == 140 * MIB
+
+
+def test_max_split_is_not_modelled_with_expandable_segments() -> None:
+    with pytest.raises(ValueError, match="max_split_size_mb"):
+        _reserved(("malloc", 0, 1), expandable=True, max_split_mib=64)
 
 
 def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:

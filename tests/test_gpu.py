@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_gpu_cell_records_every_memory_counter(workdir: Path) -> None:
     write_matrix(workdir, """
     matrices:
-      g: {device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2], stacks: [baseline, gc],
+      g: {device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2],
+          stacks: [baseline, gc, max_split_size(mb=24)],
           steps: {warmup: 2, measure: 5}}
     """)
     proc = run_bench(workdir, "run", "g", "--run-id", "g")
@@ -29,6 +30,8 @@ def test_gpu_cell_records_every_memory_counter(workdir: Path) -> None:
         assert row["gpu_name"] and row["cuda"] and row["step_ms_p50"] > 0
         evidence = json.loads(row["evidence_json"])  # the sdpa kernel that ran (bench/kernels.py)
         assert evidence["attention_ops"] and all("_for_cpu" not in op for op in evidence["attention_ops"]), evidence
+        if row["stack"] == "max_split_size(mb=24)":  # set in the worker's environment before CUDA started
+            assert evidence["alloc_conf"] == "max_split_size_mb:24"
 
 
 def test_fsdp_and_its_cpu_offload_on_one_gpu(workdir: Path) -> None:
@@ -93,21 +96,27 @@ print(json.dumps({"events": events, "peak_reserved": torch.cuda.max_memory_reser
 """
 
 
-@pytest.mark.parametrize("streams", [1, 3])
-def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reserves(streams: int) -> None:
+@pytest.mark.parametrize("streams, max_split_mb", [(1, None), (3, None), (1, 64), (3, 128)])
+def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reserves(
+        streams: int, max_split_mb: int | None) -> None:
     """The same random trace of allocations and frees, on this GPU and through bench/predict/allocator.py;
-    with 3 streams, each block reusable only by its own stream's requests."""
-    import json
+    with 3 streams, each block reusable only by its own stream's requests; with max_split_size_mb, blocks
+    of that size or more neither split nor handed to smaller requests (requests reach 300 MiB)."""
+    import os
     import subprocess
     import sys
 
     from bench.predict import allocator
 
+    env = dict(os.environ)
+    if max_split_mb is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = f"max_split_size_mb:{max_split_mb}"
     done = subprocess.run([sys.executable, "-c", ALLOCATOR_TRACE, str(streams)], capture_output=True, text=True,
-                          check=True)
+                          check=True, env=env)
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     events = [tuple(e) for e in measured["events"]]
-    assert allocator.replay(events).peak_reserved_bytes == measured["peak_reserved"]
+    max_split = None if max_split_mb is None else max_split_mb << 20
+    assert allocator.replay(events, max_split_bytes=max_split).peak_reserved_bytes == measured["peak_reserved"]
 
 
 def _fused_loss_peak(device: str, loss: Any, predicting: Any) -> int:

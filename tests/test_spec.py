@@ -103,6 +103,8 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("zero2 + mixed", "zero2 cannot be combined with mixed"),
     ("zero3 + adamw8bit", "cannot be combined with adamw8bit"),
     ("adamw8bit + paged_adamw8bit", "both set the optimizer"),
+    ("expandable_segments + max_split_size", "expandable_segments and max_split_size both set the allocator"),
+    ("max_split_size(mb=20)", "max_split_size: option mb=20 is outside (20, inf)"),
 ])
 def test_impossible_stack_is_refused(text: str, rule: str) -> None:
     with pytest.raises(StackError, match=re.escape(rule)):

@@ -23,6 +23,17 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
   request retried; if it still does not fit, the allocator raises an OOM;
 - `torch.cuda.empty_cache()` (a "release" event) releases every fully free segment too.
 
+With `max_split_size_mb:N` (Replay.max_split_bytes; torch's default is no limit) blocks of N MiB or
+more are "oversize":
+
+- a request under N MiB is never served from an oversize block, and an oversize request only from one
+  less than 20 MiB larger than itself (max_non_split_rounding_size at its default): then a new
+  segment is made;
+- a request of N MiB or more never splits the block it takes;
+- before releasing the whole cache to retry a new segment that does not fit, the allocator releases
+  the smallest oversize cached block at least as large as the request (and N), or failing one, the
+  largest oversize blocks until as much is released (release_available_cached_blocks).
+
 With `expandable_segments:True` (ExpandableReplay) each pool of each stream is one virtual address
 range whose physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
 
@@ -37,7 +48,7 @@ A trace's events are ("malloc" | "free" | "release", id, bytes) with the stream 
 element (0, the default stream, when absent). Frees take effect at once: the model assumes no
 `record_stream` (FSDP2 keeps a buffer alive until the other stream is done with it instead).
 
-Not modelled: `max_split_size_mb`, the garbage collection threshold, `record_stream`'s deferred
+Not modelled: the garbage collection threshold, `max_non_split_rounding_mb` other than its default, `record_stream`'s deferred
 frees, CUDA graphs.
 """
 
@@ -77,6 +88,7 @@ class Replay:
     """The allocator's state along a trace: reserved now and at its most, and an OOM if one happened."""
 
     capacity_bytes: int | None = None  # what torch may reserve on the card; None: unbounded
+    max_split_bytes: int | None = None  # max_split_size_mb: blocks this large are never split; None: no limit
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
     oom_at: int | None = None  # index of the request that could not be served
@@ -95,7 +107,7 @@ class Replay:
         if block is None:
             return None
         self._take(block)
-        if _should_split(block.size - nbytes, small):
+        if _should_split(block.size - nbytes, small) and (small or not self._oversize(nbytes)):
             rest = Block(block.segment, block.address + nbytes, block.size - nbytes, small, stream,
                          prev=block, next=block.next)
             if block.next is not None:
@@ -118,7 +130,15 @@ class Replay:
     def _best_fit(self, nbytes: int, small: bool, stream: int) -> Block | None:
         pool = self._pools[stream, small]
         at = bisect.bisect_left(pool, (nbytes, -1))
-        return pool[at][2] if at < len(pool) else None
+        if at == len(pool):
+            return None
+        block = pool[at][2]
+        if self._oversize(block.size) and (not self._oversize(nbytes) or block.size >= nbytes + LARGE_SEGMENT):
+            return None  # get_free_block refuses an oversize block to a smaller request, or one it would waste
+        return block
+
+    def _oversize(self, nbytes: int) -> bool:
+        return self.max_split_bytes is not None and nbytes >= self.max_split_bytes
 
     def _put(self, block: Block) -> None:
         bisect.insort(self._pools[block.stream, block.small], (block.size, block.address, block))
@@ -141,7 +161,7 @@ class Replay:
 
     def _new_segment(self, nbytes: int, small: bool, stream: int) -> Block | None:
         size = segment_size(nbytes)
-        if not self._fits(size):
+        if not self._fits(size) and not (self._release_oversize(nbytes, small, stream) and self._fits(size)):
             self.retries += 1
             self._release_cached()
             if not self._fits(size):
@@ -170,9 +190,32 @@ class Replay:
         """cudaFree every segment that is one free block, of every stream (release_cached_blocks)."""
         for segment, head in list(self._heads.items()):
             if head.free and head.next is None and head.size == self.segments[segment]:
-                self._take(head)
-                self.reserved_bytes -= self.segments.pop(segment)
-                del self._heads[segment]
+                self._release(head)
+
+    def _release_oversize(self, nbytes: int, small: bool, stream: int) -> bool:
+        """release_available_cached_blocks (only with max_split_size_mb): the smallest free oversize block of
+        the request's pool and stream that is at least as large as the request, else the largest ones until
+        as much is released; whether enough was. A free oversize block is always a whole segment: only an
+        oversize request takes one, and it never splits it."""
+        if self.max_split_bytes is None:
+            return False
+        pool = self._pools[stream, small]
+        need = max(nbytes, self.max_split_bytes)
+        at = bisect.bisect_left(pool, (need, -1))
+        if at < len(pool):
+            self._release(pool[at][2])
+            return True
+        released = 0
+        while pool and released < need and self._oversize(pool[-1][0]):
+            released += pool[-1][0]
+            self._release(pool[-1][2])
+        return released >= need
+
+    def _release(self, head: Block) -> None:
+        """cudaFree a segment held as one free block."""
+        self._take(head)
+        self.reserved_bytes -= self.segments.pop(head.segment)
+        del self._heads[head.segment]
 
 
 @dataclass(eq=False)
@@ -322,11 +365,16 @@ def positions(records: list[Any], event_counts: list[int], releases: Iterable[in
 
 
 def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
-           samples: Iterable[int] = (), expandable: bool = False) -> Replay | ExpandableReplay:
+           samples: Iterable[int] = (), expandable: bool = False,
+           max_split_bytes: int | None = None) -> Replay | ExpandableReplay:
     """Replays ("malloc" | "free" | "release", id, bytes[, stream]) events in order; stops at the first
     OOM. `samples`: after how many events to read reserved memory (Replay.samples). `expandable`: with
-    expandable_segments (ExpandableReplay)."""
-    state: Replay | ExpandableReplay = ExpandableReplay(capacity_bytes) if expandable else Replay(capacity_bytes)
+    expandable_segments (ExpandableReplay). `max_split_bytes`: with max_split_size_mb (not modelled
+    together with expandable segments)."""
+    if expandable and max_split_bytes is not None:
+        raise ValueError("max_split_size_mb is not modelled with expandable_segments")
+    state: Replay | ExpandableReplay = (ExpandableReplay(capacity_bytes) if expandable
+                                        else Replay(capacity_bytes, max_split_bytes))
     live: dict[int, Any] = {}
     wanted = sorted(samples)
     events = list(events)

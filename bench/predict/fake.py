@@ -163,13 +163,14 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
     cell would need)."""
     expandable = "expandable_segments" in cell.stack.names  # pages mapped on demand (allocator.ExpandableReplay)
+    max_split = _max_split_bytes(cell)
     events = allocator.trace(counter.records, counter.releases)
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
-    state = allocator.replay(events, samples=at_steps, expandable=expandable)
+    state = allocator.replay(events, samples=at_steps, expandable=expandable, max_split_bytes=max_split)
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
         bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps,
-                                   expandable)
+                                   expandable, max_split)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
             state = bounded
@@ -184,6 +185,14 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(counter.steps, state.samples, strict=True)])
     return out
+
+
+def _max_split_bytes(cell: Cell) -> int | None:
+    """The allocator's max_split_size_mb (techniques/max_split_size.py) in bytes; None: torch's default, no limit."""
+    for use in cell.stack.uses:
+        if use.name == "max_split_size":
+            return int(use.opts["mb"]) * allocator.MIB
+    return None
 
 
 def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:

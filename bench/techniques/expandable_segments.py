@@ -4,7 +4,7 @@ Saves: fragmentation. Segments grow in place instead of new fixed-size blocks be
 reserved memory stays closer to allocated and a large allocation late in a step (logits, the
 optimizer step) is less likely to OOM while free memory sits in fragments. Costs: little; mapping
 pages on growth. Must be set before CUDA initialises: it is an ENV technique, applied in the
-worker's environment before torch is imported. Needs CUDA.
+worker's environment before torch is imported. Needs CUDA. One allocator setting per stack.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ TECHNIQUE = Technique(
     name="expandable_segments",
     summary="allocator segments grow in place: less fragmentation (reserved closer to allocated)",
     phase=Phase.ENV,
+    slot="allocator",  # PYTORCH_CUDA_ALLOC_CONF holds one setting per stack (max_split_size is the other)
     requires_cuda=True,
     env=_env,
     apply=_apply,

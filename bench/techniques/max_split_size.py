@@ -1,0 +1,46 @@
+"""PyTorch caching allocator that never splits large cached blocks (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N).
+
+The setting PyTorch's out-of-memory message long suggested when reserved memory far exceeds allocated.
+Saves: fragmentation of large blocks. A cached block of N MiB or more ("oversize") is never carved up
+by a smaller request, so it stays whole for the next request of its size; and before an OOM the
+allocator first releases just the oversize blocks it needs, not its whole cache. Costs: a smaller
+request cannot use an oversize cached block, nor a large one a block 20 MiB or more larger than
+itself: each makes a new segment instead, so reserved memory can grow rather than shrink (the
+predictor replays these rules: bench/predict/allocator.py). Must be set before CUDA initialises: an
+ENV technique. Needs CUDA. One allocator setting per stack (slot "allocator").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import Evidence, Options, Phase, Technique
+
+
+def setting(opts: Options) -> str:
+    return f"max_split_size_mb:{opts['mb']}"
+
+
+def _env(opts: Options) -> dict[str, str]:
+    return {"PYTORCH_CUDA_ALLOC_CONF": setting(opts)}
+
+
+def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
+    seen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if setting(opts) not in seen.split(","):
+        raise RuntimeError(f"max_split_size: PYTORCH_CUDA_ALLOC_CONF is {seen!r} in the worker")
+    return model, {"alloc_conf": seen}
+
+
+TECHNIQUE = Technique(
+    name="max_split_size",
+    summary="allocator never splits cached blocks of N MiB or more: large blocks stay whole (may reserve more)",
+    phase=Phase.ENV,
+    options={"mb": 128},  # a common choice in the field; torch refuses 20 or less
+    ranges={"mb": "(20, inf)"},
+    slot="allocator",
+    requires_cuda=True,
+    env=_env,
+    apply=_apply,
+)
