@@ -60,6 +60,23 @@ def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: P
     assert "**56 cells compared**" in text  # one pair per measured cell, not one per prediction
 
 
+def test_a_release_that_predicted_a_few_cells_does_not_shrink_the_other_comparisons(tmp_path: Path) -> None:
+    """A third release (a transformers release checked on 5 cells): it is set beside the measured run's
+    releases on those 5 cells, while the other release keeps its comparison on every measured cell."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    few = pd.read_parquet(PREDICTED_RUN)
+    few = few[few["cell_id"].isin(report.checked(results_dir)["cell_id"])].head(5).copy()
+    few["run_id"], few["transformers_version"] = "newer-transformers", "9.9.9"
+    few.to_parquet(results_dir / "llama3b" / "predicted" / "newer-transformers.parquet")
+    text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
+    section = text.split("### By software", 1)[1].split("\n\n", 2)[2].split("\n\n")[0].splitlines()
+    rows = [line.split(" | ") for line in section[2:]]
+    everything = str(len(report.checked(results_dir)))
+    assert [(r[0].strip("| "), r[1]) for r in rows] == [
+        ("torch 2.11.0, transformers 5.17.0", everything), ("torch 2.13.0, transformers 5.23.0", everything),
+        ("torch 2.11.0, transformers 5.17.0", "5"), ("torch 2.13.0, transformers 9.9.9", "5")]
+
+
 def test_a_board_shows_the_prediction_under_the_measured_runs_software(tmp_path: Path) -> None:
     results_dir = _results_with_a_second_software(tmp_path, "2000-01-01T00:00:00+00:00")  # older than the other
     _, board = bench_report.publish(results_dir / "llama3b" / "runs" / MEASURED_RUN.name)
