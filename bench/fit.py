@@ -122,7 +122,7 @@ class MeasuredProbes:
 class PredictedProbes:
     """Each probe a prediction (bench predict's fake run, one per cell whatever the budget): a cell
     "fits" a budget when its predicted device peak (reserved + the context) is within it, or its peak
-    allocated where reserved memory is not modelled (expandable_segments: then an upper bound)."""
+    allocated where the GPU kind's context is not measured (no device peak: then a lower bound)."""
 
     matrix: MatrixSpec
     opts: PredictOptions

@@ -93,38 +93,34 @@ def test_unknown_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "no-such-run" in capsys.readouterr().err
 
 
-def test_two_predictions_are_gated_on_their_predicted_peak_allocated(tmp_path: Path) -> None:
-    """The CPU gate: the committed regress prediction against a copy whose one cell grew by 5%."""
+PUBLISHED_PREDICTION = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
+
+
+def _gate_grown(tmp_path: Path, stack: str, column: str) -> tuple[int, str, str]:
+    """The CPU gate: the committed regress prediction against a copy in which one cell's `column` grew by 5%;
+    (exit code, report, that cell's id)."""
     from bench import results
 
-    published = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
-    rows = results.read_parquet(published, results.PREDICTED).to_dict("records")
-    grown = [dict(r) for r in rows]
-    cell = next(r for r in grown if r["stack"] == "gc + lora")
-    cell["peak_allocated_gib"] *= 1.05
-    results.write_parquet(grown, tmp_path / "cand.parquet", results.PREDICTED)
+    rows = [dict(r) for r in results.read_parquet(PUBLISHED_PREDICTION, results.PREDICTED).to_dict("records")]
+    cell = next(r for r in rows if r["stack"] == stack)
+    cell[column] *= 1.05
+    results.write_parquet(rows, tmp_path / "cand.parquet", results.PREDICTED)
     out = tmp_path / "report.md"
-    assert cli.main(["compare", str(published), str(tmp_path / "cand.parquet"), "--out", str(out)]) == 1
-    report = out.read_text()
-    assert report.startswith("# Regression check (predictions: no GPU ran): FAIL")
-    assert f"| `{cell['cell_id']}` | regression |" in report and "+5.0%" in report
-    assert cli.main(["compare", str(published), str(published)]) == 0
+    code = cli.main(["compare", str(PUBLISHED_PREDICTION), str(tmp_path / "cand.parquet"), "--out", str(out)])
+    return code, out.read_text(), cell["cell_id"]
+
+
+def test_two_predictions_are_gated_on_their_predicted_peak_allocated(tmp_path: Path) -> None:
+    code, report, cell_id = _gate_grown(tmp_path, "gc + lora", "peak_allocated_gib")
+    assert code == 1 and report.startswith("# Regression check (predictions: no GPU ran): FAIL")
+    assert f"| `{cell_id}` | regression |" in report and "+5.0%" in report
+    assert cli.main(["compare", str(PUBLISHED_PREDICTION), str(PUBLISHED_PREDICTION)]) == 0
 
 
 def test_two_predictions_are_gated_on_predicted_reserved_too(tmp_path: Path) -> None:
     """A release that moves an allocation changes reserved at the same allocated: the gate must see it."""
-    from bench import results
-
-    published = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
-    rows = results.read_parquet(published, results.PREDICTED).to_dict("records")
-    moved = [dict(r) for r in rows]
-    cell = next(r for r in moved if r["stack"] == "gc")
-    cell["peak_reserved_gib"] *= 1.05
-    results.write_parquet(moved, tmp_path / "cand.parquet", results.PREDICTED)
-    out = tmp_path / "report.md"
-    assert cli.main(["compare", str(published), str(tmp_path / "cand.parquet"), "--out", str(out)]) == 1
-    report = out.read_text()
-    assert "Gate: peak allocated and reserved each +max(2%" in report
+    code, report, cell_id = _gate_grown(tmp_path, "gc", "peak_reserved_gib")
+    assert code == 1 and "Gate: peak allocated and reserved each +max(2%" in report
     assert "| allocated GiB | reserved GiB |" in report
-    line = next(x for x in report.splitlines() if cell["cell_id"] in x)
+    line = next(x for x in report.splitlines() if cell_id in x)
     assert "| regression |" in line and "reserved +" in line and "+5.0%" in line and "allocated +" not in line
