@@ -170,14 +170,16 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("at_peak_workspace_gib", "float", "at the predicted peak: cuBLAS workspaces (per GPU kind), GiB"),
     ("peak_reserved_gib", "float", "PREDICTED peak reserved: the fake run's allocations and frees replayed through "
                                    "a model of the caching allocator (bench/predict/allocator.py; with expandable_segments, "
-                                   "its pages mapped on demand), bounded by the card where it is known, GiB"),
+                                   "its pages mapped on demand; with max_split_size, its oversize blocks kept whole), "
+                                   "bounded by the card where it is known, GiB"),
     ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
                                  "outside torch (CUDA context; measured per kind) + CUDA managed memory (a paged "
                                  "optimizer's state, resident), GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
                      "allocator OOM; empty where the card or its context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "
-                             "cache to retry (measured: num_alloc_retries); each costs a device synchronisation"),
+                             "cache to retry (measured: num_alloc_retries); each costs a device synchronisation. "
+                             "With max_split_size, releasing only oversize blocks first is not a retry (as in torch)"),
     ("model_states_gib", "float", "hybrid: weights, gradients and optimizer state per GPU by DeepSpeed's estimator, GiB"),
     ("buckets_gib", "float", "hybrid: DeepSpeed's gradient reduction bucket per GPU (reduce_bucket_size), GiB"),
     ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO, DeepSpeed's "
