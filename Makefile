@@ -10,6 +10,7 @@
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 # make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
+# make gpu-window   the same for one window of a lent GPU: stops before BUDGET_S seconds, tars into $OUT
 MATRIX ?= smoke
 TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
@@ -26,8 +27,9 @@ REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
 LLAMA3B_RUN ?= llama3b-h100-20261122
 UNSLOTH ?= 2026.10.9
+BUDGET_S ?= 540
 
-.PHONY: install bench list report scenarios site fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog
+.PHONY: install bench list report scenarios site fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog gpu-window
 
 install:
 	python3 -m venv $(VENV)
@@ -97,20 +99,8 @@ regress:
 regress-benchmark:  # pytest-benchmark view: regress on a GPU (smoke on CPU), saved under .benchmarks/
 	$(REGRESS_PY) -m pytest benchmarks --benchmark-autosave $(ARGS)
 
-gpu-backlog:  # each step resumes where it stopped, and a step with failed cells does not stop the next; bring back results/gpu-backlog.tgz, then `make report`s
-	-$(PY) -m pytest -q -m gpu
-	-$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN) --only '*_s2048_b2_*'
-	# the field reports (results/SCENARIOS.md): 8B phase by phase, the staircase, the saves, the 4k cache
-	-$(PY) -m bench run llama8b
-	-$(PY) -m bench run staircase
-	-$(PY) -m bench run save3b
-	-$(PY) -m bench run save3b-model
-	-$(PY) -m bench run save8b
-	-$(PY) -m bench run save8b-model
-	-$(PY) -m bench run axolotl3b
-	-$(PY) -m bench run playbook
-	-$(PY) -m bench fit fit3b --budgets $(BUDGETS)
-	-$(PY) -m bench run llama3b --run-id $(LLAMA3B_RUN)
-	# the catalogue's peers: Unsloth's long-context table, its recipe beside ours (long: 8B up to 352k tokens)
-	-$(PY) -m bench fit unsloth8b --budgets 8,12,16,24,40,48,80 --max-seq 360448 --seq-step 1024
-	tar czf results/gpu-backlog.tgz results/raw
+gpu-backlog:  # every step of tools/gpu-backlog.steps in order, each resuming where it stopped; results/raw/ tarred into results/gpu-window.tgz (bring it back, then `make report`s)
+	PY=$(PY) LLAMA3B_RUN=$(LLAMA3B_RUN) OUT=results tools/gpu-window.sh 0
+
+gpu-window:  # one window of a lent GPU (10 minutes a command, nothing kept between starts): the same steps until BUDGET_S, tarred into $$OUT
+	PY=$(PY) LLAMA3B_RUN=$(LLAMA3B_RUN) tools/gpu-window.sh $(BUDGET_S)

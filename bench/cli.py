@@ -41,6 +41,9 @@ DEFAULT_RESULTS = envinfo.REPO / "results"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Workers start in the suite's folder and write where they are told: a path relative to where the
+    # user stands would land somewhere else (every cell "exited without a result")
+    args.results_dir = args.results_dir.resolve()
     try:
         if getattr(args, "run_id", None) is not None and not getattr(args, "into", None):  # it names files
             spec.safe_name(args.run_id, "run id")  # and folders under results/ (with --into: globs of runs that exist)

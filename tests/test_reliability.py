@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +77,19 @@ def test_a_second_runner_on_the_same_run_id_is_refused(workdir: Path) -> None:
         first.wait()
     again = run_bench(workdir, "run", "t", "--run-id", "h2")  # the lock dies with its holder: other runs go on
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.slow
+def test_a_results_dir_relative_to_another_folder_is_where_the_rows_land(workdir: Path) -> None:
+    """`--results-dir results` from a folder other than the suite's: the workers, started in the suite's
+    folder, write each cell's row under the same results/ the runner reads."""
+    write_matrix(workdir, TINY)
+    proc = subprocess.run([sys.executable, "-m", "bench", "--matrix-file", "matrix.yaml", "--results-dir", "results",
+                           "run", "t", "--run-id", "rel", "--only", "*_b1_*"], cwd=workdir, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = raw_rows(workdir, "rel")
+    assert len(rows) == 1 and all(r["status"] == "ok" for r in rows.values()), rows
 
 
 @pytest.mark.slow

@@ -1,0 +1,45 @@
+"""tools/gpu-window.sh: a lent GPU's window (10 minutes a command, nothing kept between starts) runs the
+backlog's steps in order until its budget, tars what it has, and the next window goes on from there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+from conftest import REPO
+
+STEPS = """# a comment, then steps
+one: echo one > results/raw/one.txt
+fails: exit 3
+long: sleep ${LONG_S:-30}; touch results/raw/long.txt
+after: touch results/raw/after.txt
+"""
+
+
+def _window(workdir: Path, budget_s: int, **env: str) -> tuple[str, set[str]]:
+    """One window in `workdir`; (what it printed, the names in the tarball it left in $OUT)."""
+    out = workdir / f"out-{budget_s}"
+    done = subprocess.run([str(REPO / "tools" / "gpu-window.sh"), str(budget_s), "steps"], cwd=workdir,
+                          env={**os.environ, "OUT": str(out), **env}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out / "gpu-window.tgz") as tar:
+        return done.stdout, set(tar.getnames())
+
+
+def test_a_window_stops_at_its_budget_and_the_next_goes_on_from_there(tmp_path: Path) -> None:
+    (tmp_path / "steps").write_text(STEPS)
+    printed, names = _window(tmp_path, 12)
+    assert "one: ended, exit 0" in printed and "fails: ended, exit 3" in printed  # a failed step does not stop it
+    assert "long: cut by the window's end" in printed and "after: running" not in printed
+    assert {"results/raw/one.txt", "results/raw/gpu-window/one.done", "results/raw/gpu-window/fails.done"} <= names
+    assert "results/raw/long.txt" not in names and "results/raw/gpu-window/long.done" not in names
+
+    printed, names = _window(tmp_path, 0, LONG_S="0")  # the next window: no budget, the long step now quick
+    assert "one: ended in an earlier window (exit 0)" in printed
+    assert "fails: ended in an earlier window (exit 3)" in printed  # not run again
+    assert "long: ended, exit 0" in printed and "after: ended, exit 0" in printed
+    assert "steps ended: 4 of 4" in printed
+    assert {"results/raw/long.txt", "results/raw/after.txt"} <= names
+    assert (tmp_path / "results" / "raw" / "gpu-window" / "fails.log").exists()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One window of a lent GPU: the backlog's steps (tools/gpu-backlog.steps) in order, each resuming where
+# the last window stopped, until BUDGET_S seconds have passed (0: no limit); then results/raw/ (the raw
+# rows, and each step's log and done-mark under results/raw/gpu-window/) tarred into $OUT.
+#
+#   tools/gpu-window.sh [BUDGET_S] [STEPS_FILE]
+#
+# Made for a device that allows a command 10 minutes and keeps nothing between starts: give a budget
+# under that limit, carry results/raw (and .gpu, the offline wheels) to each call, and unpack the
+# tarball here after each (tar xzf gpu-window.tgz). A step the budget cuts short loses at most its cell
+# in flight and runs on in the next window; a step that ended, passed or failed, is not run again.
+set -u
+budget_s=${1:-540}
+steps_file=${2:-tools/gpu-backlog.steps}
+out=${OUT:-results}
+marks=results/raw/gpu-window
+started=$(date +%s)
+mkdir -p "$marks" "$out"
+[ -f .gpu/setup.sh ] && source .gpu/setup.sh
+export PY=${PY:-python3} LLAMA3B_RUN=${LLAMA3B_RUN:-llama3b-h100-20261122}
+export BENCH_GIT_SHA=${BENCH_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+left_s() {  # seconds left in the window; a large number when there is no budget
+  if [ "$budget_s" -eq 0 ]; then echo 999999; else echo $((started + budget_s - $(date +%s))); fi
+}
+
+while IFS= read -r line; do
+  case "$line" in ''|'#'*) continue ;; esac
+  name=${line%%:*} command=${line#*: }
+  if [ -f "$marks/$name.done" ]; then
+    echo "$name: ended in an earlier window (exit $(cat "$marks/$name.done"))"; continue
+  fi
+  left=$(left_s)
+  if [ "$left" -le 10 ]; then
+    echo "window over: $name and the steps after it wait for the next"; break
+  fi
+  echo "$name: running, at most ${left} s: $command"
+  timeout --signal=TERM --kill-after=20 "$left" bash -c "$command" >> "$marks/$name.log" 2>&1
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "$name: cut by the window's end after $(( $(date +%s) - started )) s; it resumes in the next"; break
+  fi
+  echo "$rc" > "$marks/$name.done"
+  echo "$name: ended, exit $rc"
+done < "$steps_file"
+
+steps=$(grep -cvE '^(#|$)' "$steps_file"); ended=$(ls "$marks"/*.done 2>/dev/null | wc -l)
+echo "steps ended: $ended of $steps; window used $(( $(date +%s) - started )) s"
+tar czf "$out/gpu-window.tgz" results/raw && echo "raw rows and logs: $out/gpu-window.tgz ($(du -h "$out/gpu-window.tgz" | cut -f1))"
