@@ -34,7 +34,7 @@ while IFS= read -r line; do
   if [ "$left" -le 10 ]; then
     echo "window over: $name and the steps after it wait for the next"; break
   fi
-  echo "$name: running, at most ${left} s: $command"
+  if [ "$budget_s" -eq 0 ]; then echo "$name: running: $command"; else echo "$name: running, at most ${left} s: $command"; fi
   timeout --signal=TERM --kill-after=20 "$left" bash -c "$command" >> "$marks/$name.log" 2>&1
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
