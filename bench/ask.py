@@ -151,6 +151,9 @@ def _predicted_lines(a: Answer) -> list[str]:
     if p.get("device_peak_gib") is not None:
         lines.append(f"  whole device    {p['device_peak_gib']:8.2f} GiB  + {a.card.outside_torch_gib:.2f} GiB outside "
                      "torch (CUDA context), measured on this GPU kind")
+    if p.get("least_card_gib") is not None:
+        lines.append(f"  smallest card   {p['least_card_gib']:8.2f} GiB  on which the step still runs: the allocator "
+                     "releasing its cache and retrying (each a device synchronisation) where a segment does not fit")
     at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
     lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
     if p.get("host_peak_gib") is not None:
@@ -169,6 +172,8 @@ def _verdict_detail(a: Answer) -> str:
     p = a.predicted
     if a.verdict == "fits" and p.get("headroom_gib") is not None:
         return f", {p['headroom_gib']:.2f} GiB to spare on the card"
+    if a.verdict == "does not fit" and p.get("least_card_gib") is not None:
+        return f": the smallest card it runs on has {p['least_card_gib']:.2f} GiB"
     if a.verdict == "does not fit" and p.get("device_peak_gib") is not None:
         return f": the whole device would need {p['device_peak_gib']:.2f} GiB"
     if a.verdict == "does not fit":

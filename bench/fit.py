@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import pandas as pd
+
 from . import results, runner
 from .cells import Cell, PlannedCell, make_cell, resolve_device, skip_reason
 from .envinfo import OPTIONAL_PACKAGES, HostCaps
@@ -118,11 +120,22 @@ class MeasuredProbes:
         return True
 
 
+def predicted_need_gib(row: dict[str, Any]) -> float:
+    """The card a predicted cell needs, as a measured probe meets its budget (the allocator capped there,
+    releasing its cache and retrying before it fails): the least card its trace runs on; where that is
+    not predicted (a hybrid, an older row), the device peak (reserved + the context), or peak allocated
+    where the GPU kind's context is not measured (then a lower bound)."""
+    for column in ("least_card_gib", "device_peak_gib"):
+        value = row.get(column)
+        if value is not None and not pd.isna(value):
+            return float(value)
+    return float(row["peak_allocated_gib"])
+
+
 @dataclass
 class PredictedProbes:
     """Each probe a prediction (bench predict's fake run, one per cell whatever the budget): a cell
-    "fits" a budget when its predicted device peak (reserved + the context) is within it, or its peak
-    allocated where the GPU kind's context is not measured (no device peak: then a lower bound)."""
+    "fits" a budget when it needs no more (predicted_need_gib)."""
 
     matrix: MatrixSpec
     opts: PredictOptions
@@ -149,8 +162,7 @@ class PredictedProbes:
         if status == "ok" and host_gib is not None and limit_gib is not None and host_gib > limit_gib:
             status = "host_oom"  # --host-memory-gib: the host runs out, whatever the GPU's budget
         elif status == "ok":
-            needed = found.get("device_peak_gib") or found["peak_allocated_gib"]
-            status = "ok" if needed <= (cell.budget_gib or float("inf")) else "oom"
+            status = "ok" if predicted_need_gib(found) <= (cell.budget_gib or float("inf")) else "oom"
         self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}
         return ran
 
@@ -234,7 +246,7 @@ class FrontierRun:
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
             **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
-                                        "allocator_cap_gib", "device_peak_gib")},
+                                        "allocator_cap_gib", "device_peak_gib", "least_card_gib")},
         }
 
 

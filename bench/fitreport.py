@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from . import peers, results
+from . import fit, peers, results
 from .views import gib, rate
 
 
@@ -85,20 +85,22 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              f"(`bench predict`, method {methods}) for {gpu_name}, on {first['cpu_name']} with torch "
              f"{first['torch_version']}, transformers {first['transformers_version']}; {len(predictions)} cells predicted "
              f"in {predictions['predict_s'].sum() / 60:.1f} min.",
-             "- A cell fits a budget when its predicted device peak is within it: the fake run's allocations replayed "
-             "through a model of the caching allocator (peak reserved, fragmentation included) plus what the GPU kind "
-             "keeps outside torch (the CUDA context, measured); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
+             "- A cell fits a budget when the smallest card it runs on is within it, as a measured probe meets its "
+             "budget (the allocator capped there, releasing its cache and retrying before it fails): the fake run's "
+             "allocations replayed through a model of the caching allocator within ever smaller capacities, plus what "
+             "the GPU kind keeps outside torch (the CUDA context, measured). Where that is not predicted, the device "
+             "peak (reserved with no cap + the context); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
              "accounting + the fake run's other bytes, its method the hybrid/ one above).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
-                  "| model | stack | largest batch | predicted device peak GiB there | headroom GiB "
+                  "| model | stack | largest batch | predicted smallest card GiB there | headroom GiB "
                   "| smallest that does not fit |",
                   "|---|---|---|---|---|---|"]
         for _, r in group.sort_values(["model", "largest_ok"], ascending=[True, False], na_position="last").iterrows():
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
-            needed = r.get("device_peak_gib") if pd.notna(r.get("device_peak_gib")) else r["peak_allocated_gib"]
-            peak = gib(needed) if pd.notna(needed) else ""
+            needed = fit.predicted_need_gib(r) if pd.notna(r.get("peak_allocated_gib")) else None
+            peak = gib(needed) if needed is not None else ""
             lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, needed)} | "
                          f"{_too_big(r)} |")
         lines.append("")

@@ -135,9 +135,9 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 6  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 7  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
-# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json
+# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -175,6 +175,11 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
                                  "outside torch (CUDA context; measured per kind) + CUDA managed memory (a paged "
                                  "optimizer's state, resident), GiB"),
+    ("least_card_gib", "float", "PREDICTED smallest card the step runs on, what lives outside torch included: the "
+                                "trace replayed within ever smaller capacities (bisection to 2 MiB), the allocator "
+                                "releasing its cache and retrying where a segment does not fit, as under a capped "
+                                "allocator (a fit probe's budget); below device_peak_gib where retries make room, "
+                                "each a device synchronisation, GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
                      "allocator OOM; empty where the card or its context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "

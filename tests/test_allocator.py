@@ -96,6 +96,19 @@ def test_max_split_is_not_modelled_with_expandable_segments() -> None:
         _reserved(("malloc", 0, 1), expandable=True, max_split_mib=64)
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_the_least_capacity_releases_a_cached_block_no_request_can_use(expandable: bool) -> None:
+    events = [(kind, ident, mib * MIB) for kind, ident, mib in
+              [("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), ("malloc", 2, 30)]]
+    unbounded = allocator.replay(events, expandable=expandable).peak_reserved_bytes
+    least = allocator.least_capacity(events, expandable=expandable)
+    if expandable:  # the freed page is extended into the first 30 MiB block: nothing to release
+        assert unbounded == least == 60 * MIB
+    else:  # the cached 20 MiB segment holds neither 30 MiB request: released where a card of 60 MiB ends
+        assert (unbounded, least) == (80 * MIB, 60 * MIB)
+        assert allocator.replay(events, 60 * MIB - 512).oom_at == 3
+
+
 def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:
     from bench.predict.counter import Record
 

@@ -43,7 +43,7 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
     assert code == 0, out
     assert f"cell {cell.cell_id}" in out and "a prediction, not a measurement" in out
-    assert "verdict: fits" in out and "GiB to spare on the card" in out
+    assert "verdict: fits" in out and "GiB to spare on the card" in out and "smallest card" in out
     assert "measured: ok on NVIDIA H100 80GB HBM3, run gpu-run" in out and "reserved 0.75 GiB" in out
     assert out.count("measured:") == 1  # neither the other batch nor the capped probe
     assert f"under torch {HERE['torch'].split('+')[0]}, transformers {HERE['transformers']}" in out
@@ -66,7 +66,7 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
 def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_3(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01")
-    assert code == 1 and "verdict: does not fit: the whole device would need" in out
+    assert code == 1 and "verdict: does not fit: the smallest card it runs on has" in out
     assert "measured: no published GPU run has this cell" in out
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "compile")
     assert code == 3 and "not predicted (unsupported): compile:" in out

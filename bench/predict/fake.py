@@ -161,7 +161,8 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     step. Where the card's capacity and what lives outside torch are known, the replay is bounded by
     the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and
     retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
-    cell would need)."""
+    cell would need); and the smallest card on which those retries would still get it through
+    (least_card_gib)."""
     expandable = "expandable_segments" in cell.stack.names  # pages mapped on demand (allocator.ExpandableReplay)
     max_split = _max_split_bytes(cell)
     events = allocator.trace(counter.records, counter.releases)
@@ -181,6 +182,8 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
         managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
+        least = allocator.least_capacity(events, expandable, max_split)
+        out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(counter.steps, state.samples, strict=True)])
