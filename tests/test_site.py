@@ -67,6 +67,19 @@ def test_a_prediction_and_a_measurement_of_the_same_card_share_its_gpu_name(site
     assert gpus["predicted"] == gpus["measured"] == "NVIDIA H100 80GB HBM3"
 
 
+def test_a_prediction_needs_its_smallest_card_and_a_measurement_its_device_peak() -> None:
+    """What the "fits in N GiB" control compares: a prediction's smallest card (its allocator releasing the
+    cache and retrying, as a capped one does) where predicted, else its device peak; a measurement's NVML peak."""
+    base = {"run_id": "r", "cell_id": "c", "model": "m", "seq_len": 1, "batch_size": 1, "stack": "gc",
+            "status": "ok", "device": "cuda", "peak_reserved_gib": 30.1}
+    predicted = site_data._record({**base, "device_peak_gib": 30.9, "least_card_gib": 29.0}, "predicted")
+    assert (predicted["device_gib"], predicted["need_gib"]) == (30.9, 29.0)
+    older = site_data._record({**base, "device_peak_gib": 30.9}, "predicted")  # a row from before the column
+    assert older["need_gib"] == 30.9
+    measured = site_data._record({**base, "nvml_peak_gib": 31.8}, "measured")
+    assert measured["device_gib"] == measured["need_gib"] == 31.8
+
+
 def test_units_are_read_off_column_names() -> None:
     assert site_data.unit_of("peak_reserved_gib") == "GiB"
     assert site_data.unit_of("step_ms_p50") == "ms"
@@ -152,9 +165,9 @@ def _shown_fit_keys(tab) -> list[str]:
     return tab.eval_on_selector_all(".fit-row", "rows => rows.map(r => r.dataset.key)")
 
 
-def _device_gib(tab, keys: list[str]) -> dict[str, float]:
+def _need_gib(tab, keys: list[str]) -> dict[str, float]:
     return tab.evaluate("keys => Object.fromEntries(DATA.cells.filter(c => keys.includes(c.key))"
-                        ".map(c => [c.key, c.device_gib]))", keys)
+                        ".map(c => [c.key, c.need_gib]))", keys)
 
 
 @pytest.mark.browser
@@ -177,7 +190,7 @@ def test_the_budget_control_changes_which_cells_fit(loaded) -> None:
     assert tab.locator("#budget-label").inner_text() == "80"
     assert 0 < len(small) < len(large)
     for budget, keys in ((16, small), (80, large)):
-        assert all(gib <= budget for gib in _device_gib(tab, keys).values())
+        assert all(gib <= budget for gib in _need_gib(tab, keys).values())
     assert errors == []
 
 

@@ -8,8 +8,11 @@ computed here once so the page's script stays small:
   so a filter on "H100" shows both; CPU runs are "CPU").
 - `peak_gib`: the peak the boards show (reserved on a GPU, host RSS on a CPU, predicted reserved —
   else allocated — for a prediction).
-- `device_gib`: what must fit on the card: NVML's device peak for a measured GPU cell (peak reserved
-  where NVML is missing), `device_peak_gib` for a prediction (reserved + what lives outside torch).
+- `device_gib`: the device's peak: NVML's for a measured GPU cell (peak reserved where NVML is
+  missing), `device_peak_gib` for a prediction (reserved + what lives outside torch).
+- `need_gib`: the card the cell needs, what the "fits in N GiB" control compares: a measured cell's
+  device peak; a prediction's smallest card (`least_card_gib`: the allocator releasing its cache and
+  retrying where it must), else its device peak.
 - `error`: for a prediction of a cell also measured on its GPU, (predicted − measured) / measured
   peak reserved.
 - `primary`: the record that stands for its cell among the runs of the same source (ok before not ok,
@@ -118,17 +121,18 @@ def _record(row: dict[str, Any], source: str) -> dict[str, Any]:
     if source == "predicted":
         peak = row.get("peak_reserved_gib", row.get("peak_allocated_gib"))
         device = row.get("device_peak_gib", peak)
+        need = device if row.get("least_card_gib") is None else row["least_card_gib"]
         capacity = row.get("gpu_memory_gib")
     else:
         peak = row.get("peak_reserved_gib") if on_gpu else row.get("host_rss_peak_gib")
-        device = row.get("nvml_peak_gib", peak) if on_gpu else None
+        device = need = row.get("nvml_peak_gib", peak) if on_gpu else None
         capacity = row.get("gpu_memory_gib") if on_gpu else None
     return {
         "key": f"{row['run_id']}/{row['cell_id']}", "cell_id": row["cell_id"], "source": source,
         "run_id": row["run_id"], "matrix": row.get("matrix"), "model": row["model"], "seq_len": row["seq_len"],
         "batch_size": row["batch_size"], "gpus": row.get("gpus", 1), "stack": row["stack"],
         "techniques": _techniques(row.get("stack_json")), "status": row["status"], "gpu": _gpu(row, source),
-        "capacity_gib": capacity, "peak_gib": peak, "device_gib": device,
+        "capacity_gib": capacity, "peak_gib": peak, "device_gib": device, "need_gib": need,
         "tokens_per_s": row.get("tokens_per_s"), "started_at": row.get("started_at", ""), "error": None,
         "row": row,
     }

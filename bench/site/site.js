@@ -100,19 +100,19 @@ function fitsFor(cells) {
     const predicted = group.filter((c) => c.source === "predicted").sort((a, b) => b.batch_size - a.batch_size);
     best.push(measured[0] || predicted[0]);
   }
-  return best.sort((a, b) => (b.tokens_per_s || -1) - (a.tokens_per_s || -1) || a.device_gib - b.device_gib);
+  return best.sort((a, b) => (b.tokens_per_s || -1) - (a.tokens_per_s || -1) || a.need_gib - b.need_gib);
 }
 
 function renderFits() {
   const out = document.getElementById("fits-out");
   out.replaceChildren();
-  const onCard = shownCells().filter((c) => c.gpu !== "CPU" && c.device_gib !== null && c.device_gib !== undefined
-    && c.status === "ok");  // device_gib is what the cell needs, on any card
+  const onCard = shownCells().filter((c) => c.gpu !== "CPU" && c.need_gib !== null && c.need_gib !== undefined
+    && c.status === "ok");  // need_gib is the card the cell needs, of any kind
   const grid = el("div", { class: "fit-grid" });
   const groups = groupBy(onCard, (c) => `${c.model} · seq ${c.seq_len}`);
   for (const [title, group] of [...groups.entries()].sort()) {
     // an offload cell predicted to overflow its host (host_fits false) does not fit, whatever the card
-    const fitting = group.filter((c) => c.device_gib <= state.budget && c.row.host_fits !== false);
+    const fitting = group.filter((c) => c.need_gib <= state.budget && c.row.host_fits !== false);
     const stacks = new Set(group.map((c) => c.stack)).size;
     const rows = fitsFor(fitting);
     const fastest = rows.find((c) => c.source === "measured");
@@ -122,12 +122,12 @@ function renderFits() {
         `${rows.length} of ${stacks} stacks fit in ${state.budget} GiB`));
     if (rows.length) {
       card.append(el("table", {},
-        el("thead", {}, el("tr", {}, ["stack", "batch", "device GiB", "tokens/s", ""].map((h) => el("th", {}, h)))),
+        el("thead", {}, el("tr", {}, ["stack", "batch", "needs GiB", "tokens/s", ""].map((h) => el("th", {}, h)))),
         el("tbody", {}, rows.map((c) => el("tr", {
           class: "clickable fit-row" + (c.source === "predicted" ? " predicted" : ""), "data-key": c.key,
           onclick: () => showDetail(c),
         },
-        el("td", {}, c.stack), el("td", {}, c.batch_size), el("td", {}, gib(c.device_gib)),
+        el("td", {}, c.stack), el("td", {}, c.batch_size), el("td", {}, gib(c.need_gib)),
         el("td", {}, tps(c.tokens_per_s)),
         el("td", {}, c === fastest ? el("span", { class: "badge fastest" }, "fastest") : null,
           c.source === "predicted" ? el("span", { class: "badge predicted", title: predictorNote(c) }, "predicted")
