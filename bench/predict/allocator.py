@@ -48,8 +48,8 @@ A trace's events are ("malloc" | "free" | "release", id, bytes) with the stream 
 element (0, the default stream, when absent). Frees take effect at once: the model assumes no
 `record_stream` (FSDP2 keeps a buffer alive until the other stream is done with it instead).
 
-Not modelled: the garbage collection threshold, `max_non_split_rounding_mb` other than its default, `record_stream`'s deferred
-frees, CUDA graphs.
+Not modelled: the garbage collection threshold, `max_non_split_rounding_mb` other than its default,
+`record_stream`'s deferred frees, CUDA graphs.
 """
 
 from __future__ import annotations
