@@ -2,7 +2,7 @@
 # For a GPU host without network (CUDA, torch, transformers, peft preinstalled; Python 3.12 x86_64):
 # run here, in the project's root, on a machine that reaches PyPI. Fills .gpu/ (git-ignored) with the
 # wheels such an image lacks (liger-kernel, bitsandbytes, torchao, galore-torch, apollo-torch,
-# cut-cross-entropy, unsloth with what its import needs, and DeepSpeed's pure-Python dependencies),
+# cut-cross-entropy, unsloth (in .gpu/extra/) with what its import needs, and DeepSpeed's pure-Python dependencies),
 # DeepSpeed's source archive, and setup.sh. Extra NAME==VERSION arguments are fetched as wheels too.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -11,10 +11,17 @@ platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any; do
   platforms+=(--platform "$tag")
 done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-  -d .gpu/whl liger-kernel==0.8.5 bitsandbytes==0.50.2 torchao==0.18.0 galore-torch==1.0 apollo-torch==1.0.3 cut-cross-entropy==25.1.1 \
-  unsloth==2026.10.9 unsloth_zoo==2026.10.9 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.18 idna==3.20 hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 \
-  annotated-types==0.8.0 typing-inspection==0.4.5 "$@"
+download() {  # FOLDER NAME==VERSION...: wheels for the GPU host's Python 3.12 on x86_64
+  local folder=$1; shift
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+    -d "$folder" "$@"
+}
+download .gpu/whl liger-kernel==0.8.5 bitsandbytes==0.50.2 torchao==0.18.0 galore-torch==1.0 apollo-torch==1.0.3 \
+  cut-cross-entropy==25.1.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.18 idna==3.20 hjson==3.1.0 pydantic==2.14.3 \
+  pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 "$@"
+# Unsloth's two wheels (~30 MiB) apart, in .gpu/extra/: a device that carries at most 64 MiB takes the rest
+# (~51 MiB) without them; only the `unsloth` stacks need them
+download .gpu/extra unsloth==2026.10.9 unsloth_zoo==2026.10.9
 python3 -m pip download -q --no-deps --no-binary=:all: -d .gpu deepspeed==0.19.8
 cp tools/offline-gpu/setup.sh .gpu/setup.sh
-du -sh .gpu
+du -sh .gpu .gpu/whl .gpu/extra

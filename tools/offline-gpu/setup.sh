@@ -4,6 +4,9 @@
 _bench_site=/tmp/bench-site
 if [ ! -f "$_bench_site/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$_bench_site" .gpu/whl/*.whl || return 1
+  if compgen -G ".gpu/extra/*.whl" > /dev/null; then  # Unsloth's, where they were carried
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$_bench_site" .gpu/extra/*.whl || return 1
+  fi
   _bench_src=$(mktemp -d)
   tar xzf .gpu/deepspeed-*.tar.gz -C "$_bench_src" || return 1
   (cd "$_bench_src"/deepspeed-* && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
