@@ -79,7 +79,7 @@ test-fast:
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
 test-gpu:
-	$(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -m gpu tests/test_gpu.py  # the file alone: a GPU image lacks the dev-only packages (hypothesis) other test files import
 
 lint:
 	$(PY) -m ruff check bench tests benchmarks
