@@ -20,7 +20,7 @@ after: touch results/raw/after.txt
 
 def _window(workdir: Path, budget_s: int, **env: str) -> tuple[str, set[str]]:
     """One window in `workdir`; (what it printed, the names in the tarball it left in $OUT)."""
-    out = workdir / f"out-{budget_s}"
+    out = workdir / "out"
     done = subprocess.run([str(REPO / "tools" / "gpu-window.sh"), str(budget_s), "steps"], cwd=workdir,
                           env={**os.environ, "OUT": str(out), **env}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -43,3 +43,15 @@ def test_a_window_stops_at_its_budget_and_the_next_goes_on_from_there(tmp_path: 
     assert "steps ended: 4 of 4" in printed
     assert {"results/raw/long.txt", "results/raw/after.txt"} <= names
     assert (tmp_path / "results" / "raw" / "gpu-window" / "fails.log").exists()
+
+
+def test_a_step_that_makes_no_progress_in_two_windows_is_given_up(tmp_path: Path) -> None:
+    """A cell that outlasts every window would hold the backlog forever: cut twice without a new row, the
+    step is marked stalled and the next window goes on to the steps after it."""
+    (tmp_path / "steps").write_text("stuck: sleep 60\nnext: touch results/raw/next.txt\n")
+    stall = {"STALL_S": "1"}
+    assert "stuck: cut by the window's end" in _window(tmp_path, 12, **stall)[0]
+    assert "stuck: cut twice after" in _window(tmp_path, 12, **stall)[0]
+    printed, names = _window(tmp_path, 0, **stall)
+    assert "stuck: ended in an earlier window (exit stalled)" in printed and "next: ended, exit 0" in printed
+    assert "results/raw/next.txt" in names

@@ -8,7 +8,10 @@
 # Made for a device that allows a command 10 minutes and keeps nothing between starts: give a budget
 # under that limit, carry results/raw (and .gpu, the offline wheels) to each call, and unpack the
 # tarball here after each (tar xzf gpu-window.tgz). A step the budget cuts short loses at most its cell
-# in flight and runs on in the next window; a step that ended, passed or failed, is not run again.
+# in flight and runs on in the next window; a step that ended, passed or failed, is not run again. A
+# step cut twice after at least STALL_S seconds (default 120) without a new file under results/raw (a
+# cell that outlasts a window, tests that need more than one) is given up: marked "stalled", so the
+# steps after it get their turn.
 set -u
 budget_s=${1:-540}
 steps_file=${2:-tools/gpu-backlog.steps}
@@ -20,8 +23,27 @@ mkdir -p "$marks" "$out"
 export PY=${PY:-python3} LLAMA3B_RUN=${LLAMA3B_RUN:-llama3b-h100-20261122}
 export BENCH_GIT_SHA=${BENCH_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
+stall_s=${STALL_S:-120}
+
 left_s() {  # seconds left in the window; a large number when there is no budget
   if [ "$budget_s" -eq 0 ]; then echo 999999; else echo $((started + budget_s - $(date +%s))); fi
+}
+
+rows_now() {  # files under results/raw, the window's own marks and logs left out: a step's progress
+  find results/raw -type f -not -path "$marks/*" | wc -l
+}
+
+cut() {  # NAME RAN_S ROWS_BEFORE: a step the window's end stopped; given up on its second stall
+  local stalls=0
+  if [ "$2" -ge "$stall_s" ] && [ "$(rows_now)" -eq "$3" ]; then
+    stalls=$(( $(cat "$marks/$1.stalls" 2>/dev/null || echo 0) + 1 )); echo "$stalls" > "$marks/$1.stalls"
+  fi
+  if [ "$stalls" -ge 2 ]; then
+    echo stalled > "$marks/$1.done"
+    echo "$1: cut twice after $2 s or more without a new row: given up (its log: $marks/$1.log)"
+  else
+    echo "$1: cut by the window's end after $2 s; it resumes in the next"
+  fi
 }
 
 while IFS= read -r line; do
@@ -35,10 +57,11 @@ while IFS= read -r line; do
     echo "window over: $name and the steps after it wait for the next"; break
   fi
   if [ "$budget_s" -eq 0 ]; then echo "$name: running: $command"; else echo "$name: running, at most ${left} s: $command"; fi
+  rows=$(rows_now) step_started=$(date +%s)
   timeout --signal=TERM --kill-after=20 "$left" bash -c "$command" >> "$marks/$name.log" 2>&1
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "$name: cut by the window's end after $(( $(date +%s) - started )) s; it resumes in the next"; break
+    cut "$name" $(( $(date +%s) - step_started )) "$rows"; break
   fi
   echo "$rc" > "$marks/$name.done"
   echo "$name: ended, exit $rc"
