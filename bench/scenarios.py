@@ -315,14 +315,15 @@ def staircase(sources: Sources) -> list[str]:
 
 def _unsplit(sources: Sources, planned: list[cells.Cell], dynamic_reserved: float | None) -> str:
     """What `max_split_size_mb:128`, the OOM message's older advice, does to the same batches."""
-    figure = sources.figure(_find(planned, "llama-3.1-8b", 4096, 1, "max_split_size + gc + dynamic_padding"),
-                            number=True)
+    cell = _find(planned, "llama-3.1-8b", 4096, 1, "max_split_size + gc + dynamic_padding")
+    figure = sources.figure(cell, number=True)
     reserved = figure.gib("peak_reserved_gib")
-    if reserved is None or dynamic_reserved is None:
+    if cell is None or reserved is None or dynamic_reserved is None:
         return ""
+    mb = next(use.opts["mb"] for use in cell.stack.uses if use.name == "max_split_size")
     verdict = "lowers it to" if reserved < 0.99 * dynamic_reserved else "does not lower it:"
-    return (f" `max_split_size_mb:128`, which PyTorch's out-of-memory message long suggested against fragmentation, "
-            f"{verdict} {figure.quote(reserved)} reserved. Blocks of 128 MiB or more (the logits among them) stay "
+    return (f" `max_split_size_mb:{mb}`, which PyTorch's out-of-memory message long suggested against fragmentation, "
+            f"{verdict} {figure.quote(reserved)} reserved. Blocks of {mb} MiB or more (the logits among them) stay "
             "whole: none is split for a smaller tensor or handed to one 20 MiB or more smaller, so a batch of a new "
             "length needs segments of its own; near the card the allocator makes room by releasing cached oversize "
             "blocks, which torch does not count as retries.")

@@ -101,7 +101,7 @@ def test_the_least_capacity_releases_a_cached_block_no_request_can_use(expandabl
     events = [(kind, ident, mib * MIB) for kind, ident, mib in
               [("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), ("malloc", 2, 30)]]
     unbounded = allocator.replay(events, expandable=expandable).peak_reserved_bytes
-    least = allocator.least_capacity(events, expandable=expandable)
+    least = allocator.least_capacity(events, unbounded, expandable=expandable)
     if expandable:  # the freed page is extended into the first 30 MiB block: nothing to release
         assert unbounded == least == 60 * MIB
     else:  # the cached 20 MiB segment holds neither 30 MiB request: released where a card of 60 MiB ends

@@ -364,17 +364,16 @@ def positions(records: list[Any], event_counts: list[int], releases: Iterable[in
             for end in event_counts]
 
 
-def least_capacity(events: list[tuple[Any, ...]], expandable: bool = False, max_split_bytes: int | None = None,
-                   resolution_bytes: int = SMALL_SEGMENT) -> int:
+def least_capacity(events: list[tuple[Any, ...]], unbounded_bytes: int, expandable: bool = False,
+                   max_split_bytes: int | None = None, resolution_bytes: int = SMALL_SEGMENT) -> int:
     """The smallest capacity, a multiple of `resolution_bytes`, within which the trace runs to its end:
     the allocator releasing its cache and retrying where a new segment does not fit, as on a card just
     big enough (or under torch.cuda.set_per_process_memory_fraction). A bisection between nothing and
-    what the trace reserves unbounded (always enough): it takes a trace that runs within a capacity to
+    `unbounded_bytes`, what the trace reserves with no bound (always enough): it takes a trace that runs within a capacity to
     run within any larger one, which the allocator does not promise (a smaller card releases its cache
     sooner, and may fragment less), so the answer is a capacity the replay ran within, at the boundary
     the bisection found."""
-    unbounded = replay(events, expandable=expandable, max_split_bytes=max_split_bytes).peak_reserved_bytes
-    low, high = 0, -(-unbounded // resolution_bytes)  # in resolution units: `low` never runs, `high` does
+    low, high = 0, -(-unbounded_bytes // resolution_bytes)  # in resolution units: `low` never runs, `high` does
     while high - low > 1:
         middle = (low + high) // 2
         ran = replay(events, middle * resolution_bytes, expandable=expandable, max_split_bytes=max_split_bytes)

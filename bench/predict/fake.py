@@ -168,6 +168,7 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     events = allocator.trace(counter.records, counter.releases)
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
     state = allocator.replay(events, samples=at_steps, expandable=expandable, max_split_bytes=max_split)
+    unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
         bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps,
@@ -182,7 +183,7 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
         managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
-        least = allocator.least_capacity(events, expandable, max_split)
+        least = allocator.least_capacity(events, unbounded_bytes, expandable, max_split)
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,

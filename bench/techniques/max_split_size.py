@@ -18,17 +18,17 @@ from typing import Any
 from .base import Evidence, Options, Phase, Technique
 
 
-def setting(opts: Options) -> str:
+def _setting(opts: Options) -> str:
     return f"max_split_size_mb:{opts['mb']}"
 
 
 def _env(opts: Options) -> dict[str, str]:
-    return {"PYTORCH_CUDA_ALLOC_CONF": setting(opts)}
+    return {"PYTORCH_CUDA_ALLOC_CONF": _setting(opts)}
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     seen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if setting(opts) not in seen.split(","):
+    if _setting(opts) not in seen.split(","):
         raise RuntimeError(f"max_split_size: PYTORCH_CUDA_ALLOC_CONF is {seen!r} in the worker")
     return model, {"alloc_conf": seen}
 
