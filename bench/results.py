@@ -170,7 +170,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("at_peak_workspace_gib", "float", "at the predicted peak: cuBLAS workspaces (per GPU kind), GiB"),
     ("peak_reserved_gib", "float", "PREDICTED peak reserved: the fake run's allocations and frees replayed through "
                                    "a model of the caching allocator (bench/predict/allocator.py; with expandable_segments, "
-                                   "its pages mapped on demand; with max_split_size, its oversize blocks kept whole), "
+                                   "its pages mapped on demand; with max_split_size, its oversize blocks kept whole; "
+                                   "garbage_collection_threshold acts only under a memory fraction, so not here), "
                                    "bounded by the card where it is known, GiB"),
     ("device_peak_gib", "float", "PREDICTED peak of the whole device: peak_reserved_gib + what the GPU kind keeps "
                                  "outside torch (CUDA context; measured per kind) + CUDA managed memory (a paged "
@@ -178,8 +179,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("least_card_gib", "float", "PREDICTED smallest card the step runs on, what lives outside torch included: the "
                                 "trace replayed within ever smaller capacities (bisection to 2 MiB), the allocator "
                                 "releasing its cache and retrying where a segment does not fit, as under a capped "
-                                "allocator (a fit probe's budget); below device_peak_gib where retries make room, "
-                                "each a device synchronisation, GiB"),
+                                "allocator (a fit probe's budget, a memory fraction: with garbage_collection_threshold, "
+                                "collecting as torch does only under one); below device_peak_gib where retries make "
+                                "room, each a device synchronisation, GiB"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
                      "allocator OOM; empty where the card or its context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "

@@ -12,12 +12,13 @@ MIB = 1 << 20
 
 
 def _reserved(*events: tuple[Any, ...], capacity_mib: float | None = None, expandable: bool = False,
-              max_split_mib: int | None = None) -> Any:
+              max_split_mib: int | None = None, gc_threshold: float | None = None, fraction: bool = False) -> Any:
     """Replays (kind, id, MiB[, stream]) events."""
     capacity = None if capacity_mib is None else int(capacity_mib * MIB)
     max_split = None if max_split_mib is None else max_split_mib * MIB
+    settings = allocator.Settings(expandable, max_split, gc_threshold)
     return allocator.replay([(kind, ident, int(mib * MIB), *stream) for kind, ident, mib, *stream in events],
-                            capacity, expandable=expandable, max_split_bytes=max_split)
+                            capacity, settings=settings, fraction=fraction)
 
 
 def test_small_requests_share_2_mib_segments() -> None:
@@ -96,12 +97,47 @@ def test_max_split_is_not_modelled_with_expandable_segments() -> None:
         _reserved(("malloc", 0, 1), expandable=True, max_split_mib=64)
 
 
+# --- garbage_collection_threshold: only under a memory fraction ---
+
+def test_under_a_fraction_the_collection_releases_an_old_segment_instead_of_the_whole_cache() -> None:
+    """A 30 and a 40 MiB segment cached, then a 50 MiB request none holds, on 100 MiB: 70 reserved is past
+    half of it. The collection releases the 30 MiB segment (2 large requests old, against an average of
+    1.5) and the request fits beside the 40: no retry. Without it the card is full, the whole cache goes,
+    and the allocator counts a retry. On a whole card (no fraction) torch never collects."""
+    events = [("malloc", 0, 30), ("free", 0, 30), ("malloc", 1, 40), ("free", 1, 40), ("malloc", 2, 50)]
+    collected = _reserved(*events, capacity_mib=100, gc_threshold=0.5, fraction=True)
+    assert (collected.retries, collected.reserved_bytes, collected.peak_reserved_bytes) == (0, 90 * MIB, 90 * MIB)
+    for whole_card in (_reserved(*events, capacity_mib=100, gc_threshold=0.5),
+                       _reserved(*events, capacity_mib=100, fraction=True)):
+        assert (whole_card.retries, whole_card.reserved_bytes, whole_card.peak_reserved_bytes) == (1, 50 * MIB, 70 * MIB)
+
+
+def test_the_oldest_cached_segments_go_first_and_another_round_takes_the_rest() -> None:
+    """On 200 MiB: segments of 20, 22, 24 and 30 MiB (96 reserved). The 20 is freed first; the 30 is freed
+    and taken back twice (two requests later); then the 22 and 24 are freed: ages 3, 1, 1, average 5/3.
+    A 40 MiB request holds in none. At 0.4 (80 MiB) the 20 going is enough; at 0.35 (70 MiB) it is not,
+    and the second round's average is 1: the 22 and 24 go too. The 30 in use is never touched."""
+    events = [("malloc", 0, 20), ("malloc", 1, 22), ("malloc", 2, 24), ("malloc", 3, 30), ("free", 0, 20),
+              ("free", 3, 30), ("malloc", 4, 30), ("free", 4, 30), ("malloc", 5, 30),
+              ("free", 1, 22), ("free", 2, 24), ("malloc", 6, 40)]
+    reserved = {threshold: _reserved(*events, capacity_mib=200, gc_threshold=threshold, fraction=True).reserved_bytes
+                for threshold in (0.4, 0.35)}
+    assert reserved == {0.4: (22 + 24 + 30 + 40) * MIB, 0.35: (30 + 40) * MIB}
+    assert _reserved(*events, capacity_mib=200, fraction=True).reserved_bytes == (96 + 40) * MIB
+
+
+def test_the_collection_is_not_modelled_with_expandable_segments() -> None:
+    with pytest.raises(ValueError, match="garbage_collection_threshold"):
+        allocator.Settings(expandable=True, gc_threshold=0.6)
+
+
 @pytest.mark.parametrize("expandable", [False, True])
 def test_the_least_capacity_releases_a_cached_block_no_request_can_use(expandable: bool) -> None:
     events = [(kind, ident, mib * MIB) for kind, ident, mib in
               [("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 30), ("malloc", 2, 30)]]
-    unbounded = allocator.replay(events, expandable=expandable).peak_reserved_bytes
-    least = allocator.least_capacity(events, unbounded, expandable=expandable)
+    settings = allocator.Settings(expandable=expandable)
+    unbounded = allocator.replay(events, settings=settings).peak_reserved_bytes
+    least = allocator.least_capacity(events, unbounded, settings)
     if expandable:  # the freed page is extended into the first 30 MiB block: nothing to release
         assert unbounded == least == 60 * MIB
     else:  # the cached 20 MiB segment holds neither 30 MiB request: released where a card of 60 MiB ends

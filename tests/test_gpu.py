@@ -77,6 +77,8 @@ def test_budget_caps_the_allocator(workdir: Path) -> None:
 
 ALLOCATOR_TRACE = """
 import json, random, sys, torch
+if len(sys.argv) > 2:  # a memory fraction, as bench fit emulates a smaller card
+    torch.cuda.set_per_process_memory_fraction(float(sys.argv[2]))
 rng = random.Random(0)
 sizes = [512 * rng.randint(1, 2048) for _ in range(300)] + [2**20 * rng.randint(1, 300) for _ in range(200)]
 streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(int(sys.argv[1]) - 1)]
@@ -92,8 +94,26 @@ for i in range(3000):  # a random walk of allocations and frees: small, medium a
         with torch.cuda.stream(streams[stream]):
             live[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), stream
         events.append(("malloc", i, -(-nbytes // 512) * 512, stream))
-print(json.dumps({"events": events, "peak_reserved": torch.cuda.max_memory_reserved()}))
+print(json.dumps({"events": events, "peak_reserved": torch.cuda.max_memory_reserved(),
+                  "reserved": torch.cuda.memory_reserved(), "retries": torch.cuda.memory_stats()["num_alloc_retries"],
+                  "total": torch.cuda.mem_get_info()[1]}))
 """
+
+
+def _allocator_trace(streams: int, alloc_conf: str | None, fraction: float | None = None) -> dict[str, Any]:
+    """ALLOCATOR_TRACE run on this GPU in a fresh process under PYTORCH_CUDA_ALLOC_CONF=`alloc_conf`."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    args = [sys.executable, "-c", ALLOCATOR_TRACE, str(streams)] + ([] if fraction is None else [repr(fraction)])
+    done = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
+    measured: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    measured["events"] = [tuple(e) for e in measured["events"]]
+    return measured
 
 
 @pytest.mark.parametrize("streams, max_split_mb", [(1, None), (3, None), (1, 64), (3, 128)])
@@ -102,21 +122,31 @@ def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reser
     """The same random trace of allocations and frees, on this GPU and through bench/predict/allocator.py;
     with 3 streams, each block reusable only by its own stream's requests; with max_split_size_mb, blocks
     of that size or more neither split nor handed to smaller requests (requests reach 300 MiB)."""
-    import os
-    import subprocess
-    import sys
-
     from bench.predict import allocator
 
-    env = dict(os.environ)
-    if max_split_mb is not None:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = f"max_split_size_mb:{max_split_mb}"
-    done = subprocess.run([sys.executable, "-c", ALLOCATOR_TRACE, str(streams)], capture_output=True, text=True,
-                          check=True, env=env)
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    events = [tuple(e) for e in measured["events"]]
-    max_split = None if max_split_mb is None else max_split_mb << 20
-    assert allocator.replay(events, max_split_bytes=max_split).peak_reserved_bytes == measured["peak_reserved"]
+    measured = _allocator_trace(streams, None if max_split_mb is None else f"max_split_size_mb:{max_split_mb}")
+    settings = allocator.Settings(max_split_bytes=None if max_split_mb is None else max_split_mb << 20)
+    assert allocator.replay(measured["events"], settings=settings).peak_reserved_bytes == measured["peak_reserved"]
+
+
+def test_under_a_memory_fraction_the_garbage_collection_threshold_releases_what_the_model_releases() -> None:
+    """The random trace again, under a memory fraction halfway between the smallest the model says it
+    runs within and what it reserves unbounded, with garbage_collection_threshold:0.5, so the collection
+    runs: peak reserved, reserved at the end and the retries counted are the model's. Without the fraction
+    the threshold changes nothing (torch collects only under one)."""
+    from bench.predict import allocator
+
+    plain = _allocator_trace(1, None)
+    settings = allocator.Settings(gc_threshold=0.5)
+    unbounded = allocator.replay(plain["events"]).peak_reserved_bytes
+    capacity = (allocator.least_capacity(plain["events"], unbounded, settings) + unbounded) // 2
+    fraction = capacity / plain["total"]
+    collected = _allocator_trace(1, "garbage_collection_threshold:0.5", fraction)
+    model = allocator.replay(collected["events"], int(fraction * collected["total"]), settings=settings, fraction=True)
+    assert (model.peak_reserved_bytes, model.reserved_bytes, model.retries) == (
+        collected["peak_reserved"], collected["reserved"], collected["retries"])
+    whole_card = _allocator_trace(1, "garbage_collection_threshold:0.5")
+    assert whole_card["peak_reserved"] == plain["peak_reserved"] == unbounded
 
 
 def _fused_loss_peak(device: str, loss: Any, predicting: Any) -> int:

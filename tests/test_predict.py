@@ -592,6 +592,28 @@ def test_max_split_size_changes_what_the_allocator_reserves_not_what_the_step_al
     assert uncapped["peak_reserved_gib"] == predicted("baseline")["peak_reserved_gib"]
 
 
+def test_the_garbage_collection_threshold_changes_nothing_on_a_whole_card() -> None:
+    """torch collects cached segments only under a memory fraction: on a whole card, even one small
+    enough that the stairs of sorted dynamic padding make the allocator release its cache and retry,
+    garbage_collection_threshold reserves what the plain stack reserves, step by step. Only the smallest
+    budget (least_card_gib, a memory fraction as bench fit emulates it) is replayed with it."""
+    def predicted(stack: str, gpu: gpus.GpuKind) -> dict[str, Any]:
+        cell = make_cell(SMOKE, "cuda", "tiny-llama", 4096, 4, parse_stack(stack))
+        return fake.predict_cell(dataclasses.replace(cell, warmup_steps=1, measure_steps=8), gpu)
+
+    h100 = gpus.get("h100")
+    plain = predicted("dynamic_padding(order=sorted)", h100)
+    assert h100.outside_torch_gib is not None
+    small = dataclasses.replace(h100, memory_gib=h100.outside_torch_gib + 0.9 * plain["peak_reserved_gib"])
+    for gpu in (h100, small):
+        base = predicted("dynamic_padding(order=sorted)", gpu)
+        collected = predicted("dynamic_padding(order=sorted) + garbage_collection_threshold(fraction=0.5)", gpu)
+        columns = ("fits", "peak_reserved_gib", "alloc_retries", "step_trace_json")
+        assert {c: collected.get(c) for c in columns} == {c: base.get(c) for c in columns}
+    assert base["alloc_retries"] > 0  # the small card did make the allocator release its cache
+    assert collected["least_card_gib"] <= base["device_peak_gib"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_catalogues_new_techniques_are_predicted_where_they_save() -> None:

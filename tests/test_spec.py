@@ -105,6 +105,8 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("adamw8bit + paged_adamw8bit", "both set the optimizer"),
     ("expandable_segments + max_split_size", "expandable_segments and max_split_size both set the allocator"),
     ("max_split_size(mb=20)", "max_split_size: option mb=20 is outside (20, inf)"),
+    ("max_split_size + garbage_collection_threshold", "garbage_collection_threshold and max_split_size both set the allocator"),
+    ("garbage_collection_threshold(fraction=1)", "garbage_collection_threshold: option fraction=1 is outside (0, 1)"),
 ])
 def test_impossible_stack_is_refused(text: str, rule: str) -> None:
     with pytest.raises(StackError, match=re.escape(rule)):

@@ -35,7 +35,8 @@ matrices:
     seq_lens: [64]
     batch_sizes: [2]
     stacks: [baseline, adamw(impl=foreach), adamw(impl=forloop), adamw8bit, eager_attention, gc + adamw8bit,
-             grad_accum, grad_accum(steps=4), liger, expandable_segments, max_split_size, paged_adamw8bit,
+             grad_accum, grad_accum(steps=4), liger, expandable_segments, max_split_size,
+             garbage_collection_threshold, paged_adamw8bit,
              chunked_ce(chunks=3), gc + chunked_ce, optimizer_in_backward, activation_offload(min_bytes=0),
              gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
              torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile,
@@ -121,7 +122,7 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         "cce: cce(impl=cce) runs Triton kernels on CUDA; cce(impl=torch_compile) runs on any device"
     assert rows["grad_accum(steps=4)"]["skip_reason"] == "grad_accum(steps=4): batch 2 does not split into 4 equal micro-batches"
 
-    for gpu_only in ("liger", "expandable_segments", "max_split_size", "paged_adamw8bit"):
+    for gpu_only in ("liger", "expandable_segments", "max_split_size", "garbage_collection_threshold", "paged_adamw8bit"):
         assert rows[gpu_only]["status"] == "skipped"
         assert rows[gpu_only]["skip_reason"] == f"{gpu_only} needs CUDA (this cell runs on cpu)"
 

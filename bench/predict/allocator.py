@@ -23,7 +23,9 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
   request retried; if it still does not fit, the allocator raises an OOM;
 - `torch.cuda.empty_cache()` (a "release" event) releases every fully free segment too.
 
-With `max_split_size_mb:N` (Replay.max_split_bytes; torch's default is no limit) blocks of N MiB or
+The settings of PYTORCH_CUDA_ALLOC_CONF the model replays are a `Settings`; its defaults are torch's.
+
+With `max_split_size_mb:N` (Settings.max_split_bytes; torch's default is no limit) blocks of N MiB or
 more are "oversize":
 
 - a request under N MiB is never served from an oversize block, and an oversize request only from one
@@ -33,6 +35,17 @@ more are "oversize":
 - before releasing the whole cache to retry a new segment that does not fit, the allocator releases
   the smallest oversize cached block at least as large as the request (and N), or failing one, the
   largest oversize blocks until as much is released (release_available_cached_blocks).
+
+With `garbage_collection_threshold:F` (Settings.gc_threshold), and only under a memory fraction
+(`torch.cuda.set_per_process_memory_fraction`: `fraction=True`, the capacity being its allowance; torch
+runs the collection only when a fraction is set), a request no cached block holds first checks whether
+reserved exceeds F of the allowance; if so, the allocator releases whole free segments of the large
+pool (of every stream) that have waited longest for reuse, and again, until reserved is back under F
+(garbage_collect_cached_blocks):
+
+- a block's age is the number of large-pool requests since it was last put back free (pool.
+  get_free_blocks_call_count less its gc_count_base);
+- each round releases every whole free segment at least as old as the average of them all.
 
 With `expandable_segments:True` (ExpandableReplay) each pool of each stream is one virtual address
 range whose physical pages are mapped on demand, in pages of 2 MiB (small pool) or 20 MiB (large pool):
@@ -48,8 +61,8 @@ A trace's events are ("malloc" | "free" | "release", id, bytes) with the stream 
 element (0, the default stream, when absent). Frees take effect at once: the model assumes no
 `record_stream` (FSDP2 keeps a buffer alive until the other stream is done with it instead).
 
-Not modelled: the garbage collection threshold, `max_non_split_rounding_mb` other than its default,
-`record_stream`'s deferred frees, CUDA graphs.
+Not modelled: `max_non_split_rounding_mb` other than its default, `record_stream`'s deferred frees, CUDA
+graphs, and two settings together but for the ones a stack can hold (one per stack: slot "allocator").
 """
 
 from __future__ import annotations
@@ -69,6 +82,20 @@ ROUND_LARGE = 2 * MIB  # kRoundLarge
 MIN_BLOCK = 512  # kMinBlockSize
 
 
+@dataclass(frozen=True)
+class Settings:
+    """PYTORCH_CUDA_ALLOC_CONF as the model replays it; the defaults are torch's."""
+
+    expandable: bool = False  # expandable_segments:True (ExpandableReplay)
+    max_split_bytes: int | None = None  # max_split_size_mb: blocks this large are never split; None: no limit
+    gc_threshold: float | None = None  # garbage_collection_threshold: acts only under a memory fraction
+
+    def __post_init__(self) -> None:
+        if self.expandable and (self.max_split_bytes is not None or self.gc_threshold is not None):
+            raise ValueError("max_split_size_mb and garbage_collection_threshold are not modelled with "
+                             "expandable_segments")
+
+
 @dataclass(eq=False)
 class Block:
     """A piece of a segment, free (in its pool) or handed out; neighbours within the segment linked."""
@@ -79,6 +106,7 @@ class Block:
     small: bool
     stream: int = 0
     free: bool = True
+    gc_base: int = 0  # large-pool requests made when the block was last put back free (gc_count_base)
     prev: Block | None = None
     next: Block | None = None
 
@@ -88,7 +116,8 @@ class Replay:
     """The allocator's state along a trace: reserved now and at its most, and an OOM if one happened."""
 
     capacity_bytes: int | None = None  # what torch may reserve on the card; None: unbounded
-    max_split_bytes: int | None = None  # max_split_size_mb: blocks this large are never split; None: no limit
+    settings: Settings = Settings()
+    fraction: bool = False  # the capacity is a memory fraction's allowance, not the card's end
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
     oom_at: int | None = None  # index of the request that could not be served
@@ -100,10 +129,15 @@ class Replay:
     _pools: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=lambda: defaultdict(list))
     _next_address: int = 0
     _segments_made: int = 0
+    _large_requests: int = 0  # the large pool's get_free_blocks_call_count: the clock of blocks' ages
 
     def malloc(self, nbytes: int, stream: int = 0) -> Block | None:
         small = nbytes <= SMALL_REQUEST
-        block = self._best_fit(nbytes, small, stream) or self._new_segment(nbytes, small, stream)
+        self._large_requests += not small
+        block = self._best_fit(nbytes, small, stream)
+        if block is None:
+            self._collect_garbage()
+            block = self._new_segment(nbytes, small, stream)
         if block is None:
             return None
         self._take(block)
@@ -138,9 +172,11 @@ class Replay:
         return block
 
     def _oversize(self, nbytes: int) -> bool:
-        return self.max_split_bytes is not None and nbytes >= self.max_split_bytes
+        limit = self.settings.max_split_bytes
+        return limit is not None and nbytes >= limit
 
     def _put(self, block: Block) -> None:
+        block.gc_base = self._large_requests
         bisect.insort(self._pools[block.stream, block.small], (block.size, block.address, block))
 
     def _take(self, block: Block) -> None:
@@ -197,10 +233,10 @@ class Replay:
         the request's pool and stream that is at least as large as the request, else the largest ones until
         as much is released; whether enough was. A free oversize block is always a whole segment: only an
         oversize request takes one, and it never splits it."""
-        if self.max_split_bytes is None:
+        if self.settings.max_split_bytes is None:
             return False
         pool = self._pools[stream, small]
-        need = max(nbytes, self.max_split_bytes)
+        need = max(nbytes, self.settings.max_split_bytes)
         at = bisect.bisect_left(pool, (need, -1))
         if at < len(pool):
             self._release(pool[at][2])
@@ -210,6 +246,25 @@ class Replay:
             released += pool[-1][0]
             self._release(pool[-1][2])
         return released >= need
+
+    def _collect_garbage(self) -> None:
+        """garbage_collect_cached_blocks (only with garbage_collection_threshold, under a memory fraction):
+        while reserved exceeds the threshold's share of the allowance, release every whole free segment of
+        the large pool at least as old as their average age; each round recomputes the average."""
+        threshold = self.settings.gc_threshold
+        if threshold is None or not self.fraction or self.capacity_bytes is None:
+            return
+        limit = int(threshold * self.capacity_bytes)
+        target, reclaimed = self.reserved_bytes - limit, 0
+        whole = [head for head in self._heads.values() if not head.small and head.free and head.next is None]
+        while whole and reclaimed < target:
+            ages = [self._large_requests - head.gc_base for head in whole]
+            average = sum(ages) / len(whole)
+            for head, age in zip(whole, ages, strict=True):
+                if age >= average:
+                    reclaimed += head.size
+                    self._release(head)
+            whole = [head for head, age in zip(whole, ages, strict=True) if age < average]
 
     def _release(self, head: Block) -> None:
         """cudaFree a segment held as one free block."""
@@ -364,34 +419,34 @@ def positions(records: list[Any], event_counts: list[int], releases: Iterable[in
             for end in event_counts]
 
 
-def least_capacity(events: list[tuple[Any, ...]], unbounded_bytes: int, expandable: bool = False,
-                   max_split_bytes: int | None = None, resolution_bytes: int = SMALL_SEGMENT) -> int:
+def least_capacity(events: list[tuple[Any, ...]], unbounded_bytes: int, settings: Settings = Settings(),
+                   resolution_bytes: int = SMALL_SEGMENT) -> int:
     """The smallest capacity, a multiple of `resolution_bytes`, within which the trace runs to its end:
-    the allocator releasing its cache and retrying where a new segment does not fit, as on a card just
-    big enough (or under torch.cuda.set_per_process_memory_fraction). A bisection between nothing and
-    `unbounded_bytes`, what the trace reserves with no bound (always enough): it takes a trace that runs within a capacity to
-    run within any larger one, which the allocator does not promise (a smaller card releases its cache
-    sooner, and may fragment less), so the answer is a capacity the replay ran within, at the boundary
-    the bisection found."""
+    the allocator releasing its cache and retrying where a new segment does not fit, under
+    torch.cuda.set_per_process_memory_fraction as `bench fit` emulates a smaller card (the same as a
+    card just big enough, but that a garbage collection threshold acts only under a fraction). A
+    bisection between nothing and `unbounded_bytes`, what the trace reserves with no bound (always
+    enough): it takes a trace that runs within a capacity to run within any larger one, which the
+    allocator does not promise (a smaller card releases its cache sooner, and may fragment less), so
+    the answer is a capacity the replay ran within, at the boundary the bisection found."""
     low, high = 0, -(-unbounded_bytes // resolution_bytes)  # in resolution units: `low` never runs, `high` does
     while high - low > 1:
         middle = (low + high) // 2
-        ran = replay(events, middle * resolution_bytes, expandable=expandable, max_split_bytes=max_split_bytes)
+        ran = replay(events, middle * resolution_bytes, settings=settings, fraction=True)
         low, high = (low, middle) if ran.oom_at is None else (middle, high)
     return high * resolution_bytes
 
 
 def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
-           samples: Iterable[int] = (), expandable: bool = False,
-           max_split_bytes: int | None = None) -> Replay | ExpandableReplay:
+           samples: Iterable[int] = (), settings: Settings = Settings(),
+           fraction: bool = False) -> Replay | ExpandableReplay:
     """Replays ("malloc" | "free" | "release", id, bytes[, stream]) events in order; stops at the first
-    OOM. `samples`: after how many events to read reserved memory (Replay.samples). `expandable`: with
-    expandable_segments (ExpandableReplay). `max_split_bytes`: with max_split_size_mb (not modelled
-    together with expandable segments)."""
-    if expandable and max_split_bytes is not None:
-        raise ValueError("max_split_size_mb is not modelled with expandable_segments")
-    state: Replay | ExpandableReplay = (ExpandableReplay(capacity_bytes) if expandable
-                                        else Replay(capacity_bytes, max_split_bytes))
+    OOM. `samples`: after how many events to read reserved memory (Replay.samples). `settings`: the
+    allocator's (with expandable segments, an ExpandableReplay). `fraction`: the capacity is a memory
+    fraction's allowance rather than the card's end (only a garbage collection threshold tells them
+    apart)."""
+    state: Replay | ExpandableReplay = (ExpandableReplay(capacity_bytes) if settings.expandable
+                                        else Replay(capacity_bytes, settings, fraction))
     live: dict[int, Any] = {}
     wanted = sorted(samples)
     events = list(events)

@@ -161,18 +161,17 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     step. Where the card's capacity and what lives outside torch are known, the replay is bounded by
     the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and
     retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
-    cell would need); and the smallest card on which those retries would still get it through
-    (least_card_gib)."""
-    expandable = "expandable_segments" in cell.stack.names  # pages mapped on demand (allocator.ExpandableReplay)
-    max_split = _max_split_bytes(cell)
+    cell would need); and the smallest budget within which those retries would still get it through
+    (least_card_gib), a memory fraction as `bench fit` emulates it."""
+    settings = allocator_settings(cell)
     events = allocator.trace(counter.records, counter.releases)
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
-    state = allocator.replay(events, samples=at_steps, expandable=expandable, max_split_bytes=max_split)
+    state = allocator.replay(events, samples=at_steps, settings=settings)
     unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
     out: dict[str, Any] = {}
-    if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:
+    if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:  # the whole card: no memory fraction
         bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps,
-                                   expandable, max_split)
+                                   settings)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
             state = bounded
@@ -183,7 +182,7 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
         managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
-        least = allocator.least_capacity(events, unbounded_bytes, expandable, max_split)
+        least = allocator.least_capacity(events, unbounded_bytes, settings)
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
@@ -191,12 +190,14 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     return out
 
 
-def _max_split_bytes(cell: Cell) -> int | None:
-    """The allocator's max_split_size_mb (techniques/max_split_size.py) in bytes; None: torch's default, no limit."""
-    for use in cell.stack.uses:
-        if use.name == "max_split_size":
-            return int(use.opts["mb"]) * allocator.MIB
-    return None
+def allocator_settings(cell: Cell) -> allocator.Settings:
+    """The cell's allocator settings (its stack's technique in slot "allocator", if any) as the model takes them."""
+    opts = {use.name: use.opts for use in cell.stack.uses}
+    max_split = opts.get("max_split_size")
+    collect = opts.get("garbage_collection_threshold")
+    return allocator.Settings(expandable="expandable_segments" in opts,
+                              max_split_bytes=None if max_split is None else int(max_split["mb"]) * allocator.MIB,
+                              gc_threshold=None if collect is None else float(collect["fraction"]))
 
 
 def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
