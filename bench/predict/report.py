@@ -215,19 +215,25 @@ def _by_software(measured: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     reference = measured_under if measured_under in releases.index else max(releases.index, key=lambda r: len(releases[r]))
     lines = ["### By software", "",
              f"The measured cells (measured under {', '.join(sorted(set(software(every))))}) predicted under each "
-             f"release, beside the predictions under {reference} of the same cells; the tables above use the "
-             "prediction made with the measured run's releases where there is one.", "",
-             "| predicted under | cells | allocated: median / max abs error | reserved: median / max abs error | "
+             f"other release: its errors, and in brackets those of the predictions under {reference} of the same "
+             "cells. The tables above use the prediction made with the measured run's releases where there is one.",
+             "", "| predicted under | cells | allocated: median / max abs error | reserved: median / max abs error | "
              "reserved over 1% | over 3% |", "|---|---|---|---|---|---|"]
     for other in sorted(set(releases.index) - {reference}):
         shared = releases[other] & releases[reference]
-        for label in (reference, other):
-            group = every[(every["software_predicted"] == label) & every["cell_id"].isin(shared)]
-            reserved = group["reserved_error_frac"].dropna().abs()
-            lines.append(f"| {label} | {len(group)} | {_median_max(group['error_frac'])} | "
-                         f"{_median_max(group['reserved_error_frac'])} | {(reserved > 0.01).sum()} | "
-                         f"{(reserved > 0.03).sum()} |")
+        this, then = (_release_errors(every, label, shared) for label in (other, reference))
+        lines.append(f"| {other} | {len(shared)} | " + " | ".join(f"{a} ({b})" for a, b in zip(this, then, strict=True))
+                     + " |")
     return [*lines, ""]
+
+
+def _release_errors(every: pd.DataFrame, release: str, cells: set[str]) -> list[str]:
+    """A release's predictions of `cells`: allocated and reserved median / max abs error, and how many cells'
+    reserved errs by more than 1% and by more than 3%."""
+    group = every[(every["software_predicted"] == release) & every["cell_id"].isin(cells)]
+    reserved = group["reserved_error_frac"].dropna().abs()
+    return [_median_max(group["error_frac"]), _median_max(group["reserved_error_frac"]), str((reserved > 0.01).sum()),
+            str((reserved > 0.03).sum())]
 
 
 def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
