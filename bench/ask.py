@@ -153,7 +153,8 @@ def _predicted_lines(a: Answer) -> list[str]:
                      "torch (CUDA context), measured on this GPU kind")
     if p.get("least_card_gib") is not None:
         lines.append(f"  smallest card   {p['least_card_gib']:8.2f} GiB  on which the step still runs: the allocator "
-                     "releasing its cache and retrying (each a device synchronisation) where a segment does not fit")
+                     "releasing its cache and retrying (each a device synchronisation) where a segment does not fit"
+                     f"{_under_a_fraction(a.cell)}")
     at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
     lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
     if p.get("host_peak_gib") is not None:
@@ -168,12 +169,22 @@ _AT_PEAK = (("weights", "at_peak_weights_gib"), ("gradients", "at_peak_gradients
             ("workspace", "at_peak_workspace_gib"))
 
 
+def _under_a_fraction(cell: Cell) -> str:
+    """The smallest card is bisected under a memory fraction, as `bench fit` emulates a budget; the garbage
+    collection threshold acts only under one (bench/techniques/garbage_collection_threshold.py), so for
+    its stacks the smallest card holds only where the training script sets a fraction too."""
+    if "garbage_collection_threshold" not in cell.stack.names:
+        return ""
+    return (", and only under a memory fraction (torch.cuda.set_per_process_memory_fraction), without which "
+            "the garbage collection threshold does nothing")
+
+
 def _verdict_detail(a: Answer) -> str:
     p = a.predicted
     if a.verdict == "fits" and p.get("headroom_gib") is not None:
         return f", {p['headroom_gib']:.2f} GiB to spare on the card"
     if a.verdict == "does not fit" and p.get("least_card_gib") is not None:
-        return f": the smallest card it runs on has {p['least_card_gib']:.2f} GiB"
+        return f": the smallest card it runs on has {p['least_card_gib']:.2f} GiB{_under_a_fraction(a.cell)}"
     if a.verdict == "does not fit" and p.get("device_peak_gib") is not None:
         return f": the whole device would need {p['device_peak_gib']:.2f} GiB"
     if a.verdict == "does not fit":

@@ -70,6 +70,9 @@ def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_
     assert "measured: no published GPU run has this cell" in out
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "compile")
     assert code == 3 and "not predicted (unsupported): compile:" in out
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01",
+                     "--stack", "garbage_collection_threshold")  # its smallest card needs a memory fraction
+    assert code == 1 and "and only under a memory fraction (torch.cuda.set_per_process_memory_fraction)" in out
 
 
 def test_any_models_config_json_can_be_asked_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
