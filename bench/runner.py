@@ -173,9 +173,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
         PRELOAD_MODEL_ENV: cell.model,  # the worker imports this model family's code before its cell
     }
-    for use in cell.stack.uses:
-        if use.technique.env is not None:
-            env.update(use.technique.env(use.opts))
+    env.update(cell.stack.env)
     if cell.gpus > 1:  # torchrun sets the ranks' own
         for key in distributed.SINGLE_RANK_ENV:
             env.pop(key, None)

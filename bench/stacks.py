@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from .techniques import REGISTRY, Technique
+from .techniques._alloc_conf import VARIABLE as ALLOC_CONF
 
 BASELINE = "baseline"
 _TERM = re.compile(r"^\s*([A-Za-z_][\w-]*)\s*(?:\((.*)\))?\s*$")
@@ -58,6 +59,16 @@ class Stack:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(u.name for u in self.uses)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment variables its techniques set for a worker before torch starts; the caching
+        allocator's settings joined into one PYTORCH_CUDA_ALLOC_CONF, comma-separated as torch reads it."""
+        env: dict[str, str] = {}
+        for use in self.uses:
+            for key, value in (use.technique.env(use.opts) if use.technique.env else {}).items():
+                env[key] = f"{env[key]},{value}" if key == ALLOC_CONF and key in env else value
+        return env
 
 
 def parse_stack(text: str) -> Stack:

@@ -126,6 +126,19 @@ def test_the_oldest_cached_segments_go_first_and_another_round_takes_the_rest() 
     assert _reserved(*events, capacity_mib=200, fraction=True).reserved_bytes == (96 + 40) * MIB
 
 
+def test_with_max_split_size_the_collection_releases_the_oversize_blocks_no_request_could_use() -> None:
+    """The field's recipe, max_split_size_mb:64 with the collection at 0.5 of 300 MiB. A cached 100 MiB block is
+    oversize: refused to a 30 MiB request, and to a 70 MiB one (it is 20 MiB or more larger); each makes a
+    segment. Then a 40 MiB request, refused the oversize 70: reserved 200 > 150, and the 100 (3 requests old)
+    and the 30 (2) are at least the average age (2); both go, and the 40 joins the cached 70: 110 MiB.
+    max_split_size alone keeps all four: 240."""
+    events = [("malloc", 0, 100), ("free", 0, 100), ("malloc", 1, 30), ("free", 1, 30), ("malloc", 2, 70),
+              ("free", 2, 70), ("malloc", 3, 40)]
+    both = _reserved(*events, capacity_mib=300, max_split_mib=64, gc_threshold=0.5, fraction=True)
+    assert (both.reserved_bytes, both.retries) == (110 * MIB, 0)
+    assert _reserved(*events, capacity_mib=300, max_split_mib=64, fraction=True).reserved_bytes == 240 * MIB
+
+
 def test_the_collection_is_not_modelled_with_expandable_segments() -> None:
     with pytest.raises(ValueError, match="garbage_collection_threshold"):
         allocator.Settings(expandable=True, gc_threshold=0.6)

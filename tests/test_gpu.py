@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -129,23 +130,28 @@ def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reser
     assert allocator.replay(measured["events"], settings=settings).peak_reserved_bytes == measured["peak_reserved"]
 
 
-def test_under_a_memory_fraction_the_garbage_collection_threshold_releases_what_the_model_releases() -> None:
+@pytest.mark.parametrize("max_split_mb", [None, 128])
+def test_under_a_memory_fraction_the_garbage_collection_threshold_releases_what_the_model_releases(
+        max_split_mb: int | None) -> None:
     """The random trace again, under a memory fraction halfway between the smallest the model says it
-    runs within and what it reserves unbounded, with garbage_collection_threshold:0.5, so the collection
-    runs: peak reserved, reserved at the end and the retries counted are the model's. Without the fraction
-    the threshold changes nothing (torch collects only under one)."""
+    runs within and what it reserves unbounded, with garbage_collection_threshold:0.5 (and the field's
+    recipe, with max_split_size_mb:128), so the collection runs: peak reserved, reserved at the end and
+    the retries counted are the model's. Without the fraction the threshold changes nothing (torch
+    collects only under one)."""
     from bench.predict import allocator
 
-    plain = _allocator_trace(1, None)
-    settings = allocator.Settings(gc_threshold=0.5)
-    unbounded = allocator.replay(plain["events"]).peak_reserved_bytes
+    conf = "garbage_collection_threshold:0.5" + ("" if max_split_mb is None else f",max_split_size_mb:{max_split_mb}")
+    without = allocator.Settings(max_split_bytes=None if max_split_mb is None else max_split_mb << 20)
+    settings = dataclasses.replace(without, gc_threshold=0.5)
+    plain = _allocator_trace(1, None if max_split_mb is None else f"max_split_size_mb:{max_split_mb}")
+    unbounded = allocator.replay(plain["events"], settings=without).peak_reserved_bytes
     capacity = (allocator.least_capacity(plain["events"], unbounded, settings) + unbounded) // 2
     fraction = capacity / plain["total"]
-    collected = _allocator_trace(1, "garbage_collection_threshold:0.5", fraction)
+    collected = _allocator_trace(1, conf, fraction)
     model = allocator.replay(collected["events"], int(fraction * collected["total"]), settings=settings, fraction=True)
     assert (model.peak_reserved_bytes, model.reserved_bytes, model.retries) == (
         collected["peak_reserved"], collected["reserved"], collected["retries"])
-    whole_card = _allocator_trace(1, "garbage_collection_threshold:0.5")
+    whole_card = _allocator_trace(1, conf)
     assert whole_card["peak_reserved"] == plain["peak_reserved"] == unbounded
 
 

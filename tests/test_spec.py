@@ -105,12 +105,29 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("adamw8bit + paged_adamw8bit", "both set the optimizer"),
     ("expandable_segments + max_split_size", "expandable_segments and max_split_size both set the allocator"),
     ("max_split_size(mb=20)", "max_split_size: option mb=20 is outside (20, inf)"),
-    ("max_split_size + garbage_collection_threshold", "garbage_collection_threshold and max_split_size both set the allocator"),
+    ("expandable_segments + garbage_collection_threshold",
+     "garbage_collection_threshold cannot be combined with expandable_segments"),
     ("garbage_collection_threshold(fraction=1)", "garbage_collection_threshold: option fraction=1 is outside (0, 1)"),
 ])
 def test_impossible_stack_is_refused(text: str, rule: str) -> None:
     with pytest.raises(StackError, match=re.escape(rule)):
         parse_stack(text)
+
+
+def test_a_stacks_allocator_settings_are_one_variable_and_each_technique_finds_its_own_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reads PYTORCH_CUDA_ALLOC_CONF as comma-separated settings: the field's recipe
+    (garbage_collection_threshold with max_split_size) sets both, and each technique's check in the
+    worker finds its own among them; a worker without it fails the cell rather than measuring without it."""
+    stack = parse_stack("max_split_size + garbage_collection_threshold(fraction=0.8)")
+    assert stack.env == {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8,max_split_size_mb:128"}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", stack.env["PYTORCH_CUDA_ALLOC_CONF"])
+    for use in stack.uses:
+        _, evidence = use.technique.apply(None, use.opts)
+        assert evidence == {"alloc_conf": "garbage_collection_threshold:0.8,max_split_size_mb:128"}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1280")
+    with pytest.raises(RuntimeError, match="max_split_size: PYTORCH_CUDA_ALLOC_CONF is 'max_split_size_mb:1280'"):
+        stack.uses[1].technique.apply(None, stack.uses[1].opts)
 
 
 def test_test_only_technique_is_refused_outside_tests(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,8 +61,9 @@ A trace's events are ("malloc" | "free" | "release", id, bytes) with the stream 
 element (0, the default stream, when absent). Frees take effect at once: the model assumes no
 `record_stream` (FSDP2 keeps a buffer alive until the other stream is done with it instead).
 
-Not modelled: `max_non_split_rounding_mb` other than its default, `record_stream`'s deferred frees, CUDA
-graphs, and two settings together but for the ones a stack can hold (one per stack: slot "allocator").
+The collection and `max_split_size_mb` combine (the collection first, then a new segment, then the oversize
+release, then the whole cache). Not modelled: `max_non_split_rounding_mb` other than its default,
+`record_stream`'s deferred frees, CUDA graphs, expandable segments with either other setting.
 """
 
 from __future__ import annotations

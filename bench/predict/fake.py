@@ -348,10 +348,7 @@ def _counted_batch(batch: data.Batch, convert: Callable[[Any], Any], counter: Me
 def _cell_env(cell: Cell) -> Iterator[None]:
     """The environment variables the cell's techniques set for a worker (e.g. the allocator's
     settings), set while it is predicted: their hooks check them. On a CPU they change nothing."""
-    wanted: dict[str, str] = {}
-    for use in cell.stack.uses:
-        if use.technique.env is not None:
-            wanted.update(use.technique.env(use.opts))
+    wanted = cell.stack.env
     before = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     try:

@@ -9,30 +9,27 @@ worker's environment before torch is imported. Needs CUDA. One allocator setting
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from . import _alloc_conf
 from .base import Evidence, Options, Phase, Technique
 
 SETTING = "expandable_segments:True"
 
 
 def _env(opts: Options) -> dict[str, str]:
-    return {"PYTORCH_CUDA_ALLOC_CONF": SETTING}
+    return _alloc_conf.env(SETTING)
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    seen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if SETTING not in seen:
-        raise RuntimeError(f"expandable_segments: PYTORCH_CUDA_ALLOC_CONF is {seen!r} in the worker")
-    return model, {"alloc_conf": seen}
+    return model, _alloc_conf.check("expandable_segments", SETTING)
 
 
 TECHNIQUE = Technique(
     name="expandable_segments",
     summary="allocator segments grow in place: less fragmentation (reserved closer to allocated)",
     phase=Phase.ENV,
-    slot="allocator",  # PYTORCH_CUDA_ALLOC_CONF holds one setting per stack (max_split_size, garbage_collection_threshold)
+    slot="allocator",  # not with max_split_size (not modelled together), nor garbage_collection_threshold (its conflicts)
     requires_cuda=True,
     env=_env,
     apply=_apply,

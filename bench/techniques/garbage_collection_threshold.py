@@ -10,15 +10,17 @@ for a segment that does not fit and then releasing the whole cache with a device
 reused. Without a memory fraction torch never runs it (c10/cuda/CUDACachingAllocator.cpp calls
 garbage_collect_cached_blocks only when `set_fraction` is true): on a whole card the setting changes
 nothing, and the predictor says so (bench/predict/allocator.py replays it only under a fraction).
-Must be set before CUDA initialises: an ENV technique. Needs CUDA. One allocator setting per stack
-(slot "allocator").
+Must be set before CUDA initialises: an ENV technique. Needs CUDA. Combines with max_split_size, as the
+recipe copied in the field does (`garbage_collection_threshold:0.6,max_split_size_mb:128`); not with
+expandable_segments, whose memory the collection never releases (it frees only whole cudaMalloc'ed
+segments) and which the model does not replay together with it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from . import _alloc_conf
 from .base import Evidence, Options, Phase, Technique
 
 
@@ -27,14 +29,11 @@ def _setting(opts: Options) -> str:
 
 
 def _env(opts: Options) -> dict[str, str]:
-    return {"PYTORCH_CUDA_ALLOC_CONF": _setting(opts)}
+    return _alloc_conf.env(_setting(opts))
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    seen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if _setting(opts) not in seen.split(","):
-        raise RuntimeError(f"garbage_collection_threshold: PYTORCH_CUDA_ALLOC_CONF is {seen!r} in the worker")
-    return model, {"alloc_conf": seen}
+    return model, _alloc_conf.check("garbage_collection_threshold", _setting(opts))
 
 
 TECHNIQUE = Technique(
@@ -43,7 +42,7 @@ TECHNIQUE = Technique(
     phase=Phase.ENV,
     options={"fraction": 0.6},  # the value field recipes copy; torch requires 0 < F < 1
     ranges={"fraction": "(0, 1)"},
-    slot="allocator",
+    conflicts=("expandable_segments",),
     requires_cuda=True,
     env=_env,
     apply=_apply,

@@ -7,14 +7,15 @@ allocator first releases just the oversize blocks it needs, not its whole cache.
 request cannot use an oversize cached block, nor a large one a block 20 MiB or more larger than
 itself: each makes a new segment instead, so reserved memory can grow rather than shrink (the
 predictor replays these rules: bench/predict/allocator.py). Must be set before CUDA initialises: an
-ENV technique. Needs CUDA. One allocator setting per stack (slot "allocator").
+ENV technique. Needs CUDA. Not with expandable_segments (slot "allocator"); with
+garbage_collection_threshold, as the field's recipe has it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from . import _alloc_conf
 from .base import Evidence, Options, Phase, Technique
 
 
@@ -23,14 +24,11 @@ def _setting(opts: Options) -> str:
 
 
 def _env(opts: Options) -> dict[str, str]:
-    return {"PYTORCH_CUDA_ALLOC_CONF": _setting(opts)}
+    return _alloc_conf.env(_setting(opts))
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    seen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if _setting(opts) not in seen.split(","):
-        raise RuntimeError(f"max_split_size: PYTORCH_CUDA_ALLOC_CONF is {seen!r} in the worker")
-    return model, {"alloc_conf": seen}
+    return model, _alloc_conf.check("max_split_size", _setting(opts))
 
 
 TECHNIQUE = Technique(
