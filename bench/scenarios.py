@@ -310,7 +310,7 @@ def staircase(sources: Sources) -> list[str]:
              if expandable is not None and ra is not None else "")
     return [*lines, f"**Answer:** padding each batch to its longest document does not lower the peak allocated: its "
             f"widest batch needs {fa.quote()} against {fb.quote()} padded to 4096 ({(a - b) / b:+.1%}); it saves "
-            f"compute on short batches.{reserved}{pages}{_unsplit(sources, planned, ra)}", ""]
+            f"compute on short batches.{reserved}{pages}{_unsplit(sources, planned, ra)}{_recipe(sources, planned)}", ""]
 
 
 def _unsplit(sources: Sources, planned: list[cells.Cell], dynamic_reserved: float | None) -> str:
@@ -327,6 +327,25 @@ def _unsplit(sources: Sources, planned: list[cells.Cell], dynamic_reserved: floa
             "whole: none is split for a smaller tensor or handed to one 20 MiB or more smaller, so a batch of a new "
             "length needs segments of its own; near the card the allocator makes room by releasing cached oversize "
             "blocks, which torch does not count as retries.")
+
+
+def _recipe(sources: Sources, planned: list[cells.Cell]) -> str:
+    """The recipe copied in the field, garbage_collection_threshold with max_split_size_mb, on the same batches:
+    torch collects cached segments only under a memory fraction, which this training step does not set."""
+    cell = _find(planned, "llama-3.1-8b", 4096, 1, "garbage_collection_threshold + max_split_size + gc + dynamic_padding")
+    alone = sources.figure(_find(planned, "llama-3.1-8b", 4096, 1, "max_split_size + gc + dynamic_padding"),
+                           number=True).gib("peak_reserved_gib")
+    figure = sources.figure(cell, number=True)
+    reserved = figure.gib("peak_reserved_gib")
+    if cell is None or reserved is None or alone is None:
+        return ""
+    opts = {use.name: use.opts for use in cell.stack.uses}
+    setting = (f"garbage_collection_threshold:{opts['garbage_collection_threshold']['fraction']},"
+               f"max_split_size_mb:{opts['max_split_size']['mb']}")
+    same = "the same as `max_split_size` alone" if abs(reserved - alone) < 0.005 else f"against {alone:.2f} for it alone"
+    return (f" The recipe copied beside it, `{setting}`, reserves {figure.quote(reserved)}, {same}: torch collects "
+            "cached segments only under a memory fraction (`torch.cuda.set_per_process_memory_fraction`), which this "
+            "training step does not set.")
 
 
 def _stairs(sources: Sources, planned: list[cells.Cell]) -> list[str]:
