@@ -6,8 +6,10 @@ in the worker once it has."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
-from .base import Evidence
+from .base import Evidence, Options
 
 VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -22,3 +24,17 @@ def check(technique: str, setting: str) -> Evidence:
     if setting not in seen.split(","):
         raise RuntimeError(f"{technique}: {VARIABLE} is {seen!r} in the worker")
     return {"alloc_conf": seen}
+
+
+def hooks(technique: str, setting: Callable[[Options], str]) -> tuple[Callable[[Options], dict[str, str]],
+                                                                     Callable[[Any, Options], tuple[Any, Evidence]]]:
+    """A technique's env and apply hooks when all it does is one allocator setting: set before torch
+    starts, found in the worker, the model untouched."""
+
+    def env_hook(opts: Options) -> dict[str, str]:
+        return env(setting(opts))
+
+    def apply_hook(model: Any, opts: Options) -> tuple[Any, Evidence]:
+        return model, check(technique, setting(opts))
+
+    return env_hook, apply_hook

@@ -9,20 +9,12 @@ worker's environment before torch is imported. Needs CUDA. One allocator setting
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _alloc_conf
-from .base import Evidence, Options, Phase, Technique
+from .base import Phase, Technique
 
 SETTING = "expandable_segments:True"
 
-
-def _env(opts: Options) -> dict[str, str]:
-    return _alloc_conf.env(SETTING)
-
-
-def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    return model, _alloc_conf.check("expandable_segments", SETTING)
+_env, _apply = _alloc_conf.hooks("expandable_segments", lambda opts: SETTING)
 
 
 TECHNIQUE = Technique(

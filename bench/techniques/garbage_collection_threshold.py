@@ -18,22 +18,15 @@ segments) and which the model does not replay together with it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _alloc_conf
-from .base import Evidence, Options, Phase, Technique
+from .base import Options, Phase, Technique
 
 
 def _setting(opts: Options) -> str:
     return f"garbage_collection_threshold:{opts['fraction']}"
 
 
-def _env(opts: Options) -> dict[str, str]:
-    return _alloc_conf.env(_setting(opts))
-
-
-def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    return model, _alloc_conf.check("garbage_collection_threshold", _setting(opts))
+_env, _apply = _alloc_conf.hooks("garbage_collection_threshold", _setting)
 
 
 TECHNIQUE = Technique(

@@ -13,22 +13,15 @@ garbage_collection_threshold, as the field's recipe has it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _alloc_conf
-from .base import Evidence, Options, Phase, Technique
+from .base import Options, Phase, Technique
 
 
 def _setting(opts: Options) -> str:
     return f"max_split_size_mb:{opts['mb']}"
 
 
-def _env(opts: Options) -> dict[str, str]:
-    return _alloc_conf.env(_setting(opts))
-
-
-def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
-    return model, _alloc_conf.check("max_split_size", _setting(opts))
+_env, _apply = _alloc_conf.hooks("max_split_size", _setting)
 
 
 TECHNIQUE = Technique(
