@@ -36,7 +36,8 @@ more are "oversize":
   the smallest oversize cached block at least as large as the request (and N), or failing one, the
   largest oversize blocks until as much is released (release_available_cached_blocks).
 
-With `garbage_collection_threshold:F` (Settings.gc_threshold), and only under a memory fraction
+With `garbage_collection_threshold:F` (Settings.gc_threshold; read from CUDACachingAllocator.cpp at commit
+001074d, the same call sites in every copy found), and only under a memory fraction
 (`torch.cuda.set_per_process_memory_fraction`: `fraction=True`, the capacity being its allowance; torch
 runs the collection only when a fraction is set), a request no cached block holds first checks whether
 reserved exceeds F of the allowance; if so, the allocator releases whole free segments of the large
