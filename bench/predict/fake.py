@@ -191,7 +191,8 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
 
 
 def allocator_settings(cell: Cell) -> allocator.Settings:
-    """The cell's allocator settings (its stack's technique in slot "allocator", if any) as the model takes them."""
+    """The cell's allocator settings (its stack's allocator techniques, joined in one PYTORCH_CUDA_ALLOC_CONF on
+    the GPU) as the model takes them."""
     opts = {use.name: use.opts for use in cell.stack.uses}
     max_split = opts.get("max_split_size")
     collect = opts.get("garbage_collection_threshold")

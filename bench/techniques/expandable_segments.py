@@ -4,7 +4,8 @@ Saves: fragmentation. Segments grow in place instead of new fixed-size blocks be
 reserved memory stays closer to allocated and a large allocation late in a step (logits, the
 optimizer step) is less likely to OOM while free memory sits in fragments. Costs: little; mapping
 pages on growth. Must be set before CUDA initialises: it is an ENV technique, applied in the
-worker's environment before torch is imported. Needs CUDA. One allocator setting per stack.
+worker's environment before torch is imported. Needs CUDA. The only allocator setting of its stack:
+the model replays neither max_split_size nor garbage_collection_threshold with it.
 """
 
 from __future__ import annotations
