@@ -1,13 +1,20 @@
 """The fit frontier: under a memory budget, the largest batch (and at batch 1, the longest sequence)
 with which a stack still trains.
 
-Search: bisection over a finite ascending list of candidate sizes (batches 1..max_batch; sequence
-lengths in steps of seq_step up to max_seq), assuming that what fits at size s fits at every smaller
-size. What is already known narrows the interval before any probe: earlier probes of the same
-search (a resumed run), the result at a smaller budget (what fits there fits here) and at a larger
-one (what OOMs there OOMs here). So a search costs at most ceil(log2(n + 1)) probes for n unknown
-candidates. A guess (the predicted frontier, on a GPU) is probed first, with its neighbour: a
-right guess settles a search in two probes.
+Search over a finite ascending list of candidate sizes (batches 1..max_batch; sequence lengths in
+steps of seq_step up to max_seq), assuming that what fits at size s fits at every smaller size.
+What is already known narrows the interval before any probe: earlier probes of the same search (a
+resumed run), the result at a smaller budget (what fits there fits here) and at a larger one (what
+OOMs there OOMs here). Measured searches bisect: at most ceil(log2(n + 1)) probes for n unknown
+candidates. A guess (the predicted frontier, on a GPU) is probed first, with its neighbour: a right
+guess settles a search in two probes.
+
+A predicted search also knows what each probed size *needs* (GiB), whatever the budget: memory grows
+nearly linearly with batch and sequence length, so it interpolates where the need crosses the budget
+(regula falsi on the candidates), from every size already predicted, at this budget or another. Where
+the line is right, the size it names and the next one settle the search. Two interpolation steps
+that do not halve the interval (a need far from linear) are followed by a bisection step, so a
+search costs at most three times bisection's bound, and it finds the same boundary.
 
 Probes: measured (MeasuredProbes: each a cell of its own, run by the runner in a fresh process,
 recorded as a row) or predicted (PredictedProbes, `bench fit --predict`: each cell's fake run, once
@@ -40,23 +47,37 @@ class Frontier:
     stopped: str = ""  # why the search stopped early: a probe that neither fit nor OOMed
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a size needs (GiB), where already known without a probe, against the budget searched: the
+    search interpolates where the need crosses the budget."""
+
+    of: Callable[[int], float | None]  # size -> GiB, or None where not known
+    budget_gib: float
+
+
 def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | None = None,
-           known_oom: int | None = None, guess: int | None = None, too_big: tuple[str, ...] = ("oom",)) -> Frontier:
-    """Bisection over `sizes` (ascending). probe(size) -> a cell status: "ok" fits, one of `too_big`
+           known_oom: int | None = None, guess: int | None = None, too_big: tuple[str, ...] = ("oom",),
+           needs: Needs | None = None) -> Frontier:
+    """The boundary among `sizes` (ascending). probe(size) -> a cell status: "ok" fits, one of `too_big`
     ("oom"; a predicted "host_oom" too) does not; anything else (error, timeout, a measured host_oom,
     unsupported) stops the search and is reported.
     `guess` (e.g. the predicted largest size that fits) is probed first, then its neighbour across
-    the boundary: a right guess settles the search in two probes, a wrong one still narrows it."""
+    the boundary: a right guess settles the search in two probes, a wrong one still narrows it.
+    `needs`: the next size is interpolated where known needs cross the budget, else bisected."""
     lo = max((i for i, s in enumerate(sizes) if known_ok is not None and s <= known_ok), default=-1)
     hi = min((i for i, s in enumerate(sizes) if known_oom is not None and s >= known_oom), default=len(sizes))
     first = max((i for i, s in enumerate(sizes) if s <= guess), default=-1) if guess is not None else None
     pending = [first, first + 1] if first is not None else []
-    probes = []
+    probes, widths = [], []  # widths: the interval's before each interpolation step of the current run of them
     while hi - lo > 1:
         pending = [i for i in pending if lo < i < hi]
-        mid = pending.pop(0) if pending else (lo + hi) // 2
+        bisect_next = len(widths) > 1 and 2 * (hi - lo) > widths[-2]  # two interpolations did not halve it
+        widths = [] if bisect_next else widths
+        interpolated = None if pending or bisect_next or needs is None else _interpolated(sizes, lo, hi, needs)
+        mid = pending.pop(0) if pending else interpolated if interpolated is not None else (lo + hi) // 2
         probes.append(sizes[mid])
-        status = probe(sizes[mid])
+        status, width = probe(sizes[mid]), hi - lo
         if status == "ok":
             lo = mid
         elif status in too_big:
@@ -65,7 +86,24 @@ def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | No
                 pending = [mid - 1]
         else:
             return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes), f"{status} at {sizes[mid]}")
+        widths = widths + [width] if interpolated is not None else []
     return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes))
+
+
+def _interpolated(sizes: Sequence[int], lo: int, hi: int, needs: Needs) -> int | None:
+    """The index, strictly inside (lo, hi), of the largest size whose need the straight line through two
+    known needs puts within the budget: the last known within it and the first beyond it, else the two
+    nearest the boundary on one side. None where fewer than two needs are known or they do not rise."""
+    known = [(s, n) for s in sizes if (n := needs.of(s)) is not None]
+    within = [p for p in known if p[1] <= needs.budget_gib]
+    beyond = [p for p in known if p[1] > needs.budget_gib]
+    line = (within[-1:] + beyond[:1] if within and beyond else within[-2:] if len(within) > 1 else beyond[:2])
+    if len(line) < 2 or line[1][0] <= line[0][0] or line[1][1] <= line[0][1]:
+        return None
+    (s0, n0), (s1, n1) = line
+    crossing = s0 + (needs.budget_gib - n0) * (s1 - s0) / (n1 - n0)
+    index = max((i for i, s in enumerate(sizes) if s <= crossing), default=lo)
+    return min(max(index, lo + 1), hi - 1)
 
 
 def _at(sizes: Sequence[int], index: int) -> int | None:
@@ -73,7 +111,8 @@ def _at(sizes: Sequence[int], index: int) -> int | None:
 
 
 def max_probes(n_unknown: int) -> int:
-    """The most probes a search over n unknown candidates runs: ceil(log2(n + 1))."""
+    """The most probes a bisection over n unknown candidates runs: ceil(log2(n + 1)). An interpolating
+    search (needs given) runs at most three times that."""
     return max(n_unknown, 0).bit_length()
 
 
@@ -97,6 +136,10 @@ class Probes(Protocol):
         """Makes the cell's row in `rows`; True if it took a run now (not already known)."""
         ...
 
+    def need_gib(self, cell: Cell) -> float | None:
+        """What the cell needs, whatever its budget, if known without a run (None: the search bisects)."""
+        ...
+
 
 @dataclass
 class MeasuredProbes:
@@ -118,6 +161,9 @@ class MeasuredProbes:
         reason = skip_reason(cell, self.matrix, self.host)
         self.rows.update(runner.run([PlannedCell(cell, reason)], self.opts, self.provenance, self.progress))
         return True
+
+    def need_gib(self, cell: Cell) -> float | None:
+        return None  # a measured peak depends on the budget's cap, and an OOM's is not known: bisect
 
 
 def predicted_need_gib(row: dict[str, Any]) -> float:
@@ -158,13 +204,23 @@ class PredictedProbes:
                                                                                  self.report))
         found = self.predicted[plain.cell_id]
         status = found["status"]
-        host_gib, limit_gib = predict_runner.host_needed_gib(found), self.opts.host_memory_gib
-        if status == "ok" and host_gib is not None and limit_gib is not None and host_gib > limit_gib:
+        if status == "ok" and self._host_runs_out(found):
             status = "host_oom"  # --host-memory-gib: the host runs out, whatever the GPU's budget
         elif status == "ok":
             status = "ok" if predicted_need_gib(found) <= (cell.budget_gib or float("inf")) else "oom"
         self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}
         return ran
+
+    def need_gib(self, cell: Cell) -> float | None:
+        """The card the cell needs, where its fake run is done and the host holds it (else None)."""
+        found = self.predicted.get(dataclasses.replace(cell, budget_gib=None).cell_id)
+        if found is None or found["status"] != "ok" or self._host_runs_out(found):
+            return None
+        return predicted_need_gib(found)
+
+    def _host_runs_out(self, found: dict[str, Any]) -> bool:
+        host_gib, limit_gib = predict_runner.host_needed_gib(found), self.opts.host_memory_gib
+        return host_gib is not None and limit_gib is not None and host_gib > limit_gib
 
 
 Hints = dict[tuple[str, str, str, int, float], int]  # (model, stack, axis, fixed size, budget) -> a guessed largest_ok
@@ -212,8 +268,12 @@ class FrontierRun:
             def probe(size: int, cell_for: Callable[[int], Cell] = cell_for, ran: list[int] = ran) -> str:
                 return self.probe(cell_for(size), ran, size)
 
+            def need_gib(size: int, cell_for: Callable[[int], Cell] = cell_for) -> float | None:
+                return self.probes.need_gib(cell_for(size))
+
             guess = self.hints.get((model, stack.label, axis, fixed, budget))
-            found = search(sizes, probe, known_ok=known_ok, guess=guess, too_big=self.probes.too_big)
+            needs = Needs(need_gib, budget)
+            found = search(sizes, probe, known_ok=known_ok, guess=guess, too_big=self.probes.too_big, needs=needs)
             known_ok = found.largest_ok
             out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, ran, cell_for))
         return out

@@ -62,6 +62,54 @@ def test_an_error_stops_the_search_and_says_where() -> None:
     assert (found.largest_ok, found.smallest_oom) == (None, None)
 
 
+def _needs_prober(need, budget: float, log: list[int], known: dict[int, float]):
+    """A predicted search's probe: the size's need becomes known once probed (as a fake run's row)."""
+    def probe(size: int) -> str:
+        log.append(size)
+        known[size] = need(size)
+        return "ok" if known[size] <= budget else "oom"
+    return probe, fit.Needs(known.get, budget)
+
+
+NEEDS = {  # GiB a size needs: linear, with a fixed cost; convex (eager attention); in steps (segments); flat then steep
+    "linear": lambda s: 6.0 + 0.25 * s,
+    "convex": lambda s: 4.0 + 0.05 * s + 0.004 * s * s,
+    "steps": lambda s: 2.0 + 2.0 * (s // 5),
+    "knee": lambda s: 5.0 + (0.01 * s if s < 200 else 2.0 + 3.0 * (s - 200)),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(NEEDS))
+def test_an_interpolating_search_finds_what_bisection_finds_within_three_times_its_bound(shape: str) -> None:
+    need, sizes = NEEDS[shape], list(range(1, 353))
+    for budget in (0.5, 6.3, 20.0, 41.7, 80.0, 1e4):
+        bisected = fit.search(sizes, lambda s: "ok" if need(s) <= budget else "oom")
+        log: list[int] = []
+        probe, needs = _needs_prober(need, budget, log, {})
+        found = fit.search(sizes, probe, needs=needs)
+        assert (found.largest_ok, found.smallest_oom) == (bisected.largest_ok, bisected.smallest_oom), budget
+        assert found.probes == tuple(log) and len(set(log)) == len(log)
+        assert len(log) <= 3 * fit.max_probes(len(sizes))
+
+
+def test_a_near_linear_need_is_found_in_fewer_probes_than_bisection_and_known_needs_cost_none() -> None:
+    """Over 352 candidates bisection takes 8 or 9 probes a budget. Interpolating a linear need takes 4 at the
+    first budget (two bisections give it a line, then the boundary's two sides), and at each later budget,
+    where every size probed so far is known, 2: the boundary's sides."""
+    need, sizes, known, known_ok = NEEDS["linear"], list(range(1, 353)), {}, None
+    logs = []
+    for budget in (8.0, 20.0, 41.7, 80.0):
+        log: list[int] = []
+        probe, needs = _needs_prober(need, budget, log, known)
+        found = fit.search(sizes, probe, known_ok=known_ok, needs=needs)
+        known_ok = found.largest_ok
+        assert (found.largest_ok, found.smallest_oom) == (max(s for s in sizes if need(s) <= budget), known_ok + 1)
+        logs.append(log)
+    assert logs == [[176, 88, 8, 9], [56, 57], [142, 143], [296, 297]]
+    assert fit.search(sizes, lambda s: "ok" if need(s) <= 20.0 else "oom", known_ok=8).probes == (
+        180, 94, 51, 72, 61, 56, 58, 57)  # bisection, from the same start
+
+
 FIT = """
 matrices:
   f:
