@@ -86,7 +86,7 @@ def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | No
                 pending = [mid - 1]
         else:
             return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes), f"{status} at {sizes[mid]}")
-        widths = widths + [width] if interpolated is not None else []
+        widths = [*widths, width] if interpolated is not None else []
     return Frontier(_at(sizes, lo), _at(sizes, hi), tuple(probes))
 
 

@@ -83,7 +83,7 @@ NEEDS = {  # GiB a size needs: linear, with a fixed cost; convex (eager attentio
 def test_an_interpolating_search_finds_what_bisection_finds_within_three_times_its_bound(shape: str) -> None:
     need, sizes = NEEDS[shape], list(range(1, 353))
     for budget in (0.5, 6.3, 20.0, 41.7, 80.0, 1e4):
-        bisected = fit.search(sizes, lambda s: "ok" if need(s) <= budget else "oom")
+        bisected = fit.search(sizes, lambda s, b=budget: "ok" if need(s) <= b else "oom")
         log: list[int] = []
         probe, needs = _needs_prober(need, budget, log, {})
         found = fit.search(sizes, probe, needs=needs)
