@@ -69,7 +69,8 @@ def search(sizes: Sequence[int], probe: Callable[[int], str], known_ok: int | No
     hi = min((i for i, s in enumerate(sizes) if known_oom is not None and s >= known_oom), default=len(sizes))
     first = max((i for i, s in enumerate(sizes) if s <= guess), default=-1) if guess is not None else None
     pending = [first, first + 1] if first is not None else []
-    probes, widths = [], []  # widths: the interval's before each interpolation step of the current run of them
+    probes: list[int] = []
+    widths: list[int] = []  # the interval's width before each interpolation step of the current run of them
     while hi - lo > 1:
         pending = [i for i in pending if lo < i < hi]
         bisect_next = len(widths) > 1 and 2 * (hi - lo) > widths[-2]  # two interpolations did not halve it
