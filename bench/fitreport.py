@@ -91,6 +91,9 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "the GPU kind keeps outside torch (the CUDA context, measured). Where that is not predicted, the device "
              "peak (reserved with no cap + the context); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
              "accounting + the fake run's other bytes, its method the hybrid/ one above).",
+             "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
+             "already predicted cross its budget (bisecting where they do not rise in a line); it ends at the same "
+             "boundary as bisection, in fewer fake runs.",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
@@ -134,7 +137,7 @@ def beside_published(summary: pd.DataFrame, matrix: str, kind: str) -> list[str]
              f"- Theirs: <{published.url}>, read on {published.read_on}. Setup: {published.setup}. Their memory "
              "column is the card's size in GB as they write it; ours is a budget in GiB of device memory, taken at "
              "the same number (an \"80 GB\" H100 holds 79.2 GiB).",
-             f"- Ours: the longest sequence at batch 1 per stack ({kind}), bisected in steps of the fit's seq_step; "
+             f"- Ours: the longest sequence at batch 1 per stack ({kind}), searched in steps of the fit's seq_step; "
              "empty: not searched at that budget, or not covered (the sections above say why).", "",
              "| card GB | " + " | ".join(f"{c} (theirs)" for c in published.columns) + " | "
              + " | ".join(f"`{st}` ({kind})" for st in stacks) + " |",
