@@ -17,6 +17,7 @@ Exit codes: 0 done; 1 some cell ended in error (compare: a regression; ask: it d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -148,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     fit_p.add_argument("--host-memory-gib", type=float,
                        help="with --predict: the host's RAM, GiB; a probe whose predicted host RAM exceeds it is "
                             "host_oom, which bounds its search as an OOM does")
+    fit_p.add_argument("--jobs", type=int, default=1,
+                       help="with --predict: stacks searched at once, each fake run in one of this many processes "
+                            "(default 1)")
     fit_p.set_defaults(func=cmd_fit)
 
     ovh = sub.add_parser("overhead", help="a run's baseline cells beside a bare PyTorch loop (GPU): the harness's cost")
@@ -386,6 +390,9 @@ def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
         raise spec.SpecError(f"matrix {matrix.name}: bench fit searches one-GPU cells; remove its gpus: {list(matrix.gpus)}")
     if args.host_memory_gib is not None and not (args.predict and args.host_memory_gib > 0):
         raise spec.SpecError("--host-memory-gib judges predicted probes: it needs --predict and a positive GiB")
+    if args.jobs != 1 and not (args.predict and args.jobs > 1):
+        raise spec.SpecError("--jobs spreads fake runs over processes: it needs --predict and a count >= 1 (a GPU "
+                             "measures one probe at a time)")
     return matrix, fit.FitPlan(budgets, args.max_batch, args.seq_step, args.max_seq)
 
 
@@ -395,8 +402,11 @@ def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.
     on_gpu = dataclasses.replace(matrix, device="cuda")
     run_id = args.run_id or f"fit-{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
     opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, None, host_memory_gib=args.host_memory_gib)
-    probes = fit.PredictedProbes(on_gpu, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
-    summary = fit.FrontierRun(on_gpu, probes.host, plan, probes).all()
+    provenance = envinfo.provenance(envinfo.host_caps())
+    with (results.run_lock(args.results_dir / "raw" / run_id),
+          predict_runner.spawned_pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext() as pool):
+        probes = fit.PredictedProbes(on_gpu, opts, provenance, _print_prediction, pool)
+        summary = fit.FrontierRun(on_gpu, probes.host, plan, probes).all(args.jobs)
     board = fitreport.publish_predicted(summary, list(probes.predicted.values()),
                                         args.results_dir / matrix.name / "fit", run_id, gpu.name)
     ran = sum(s["probes_run"] for s in summary)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -182,17 +183,20 @@ def predicted_need_gib(row: dict[str, Any]) -> float:
 @dataclass
 class PredictedProbes:
     """Each probe a prediction (bench predict's fake run, one per cell whatever the budget): a cell
-    "fits" a budget when it needs no more (predicted_need_gib)."""
+    "fits" a budget when it needs no more (predicted_need_gib). The caller holds the run's lock
+    (results.run_lock); with a `pool`, fake runs go to its processes, so searches run side by side."""
 
     matrix: MatrixSpec
     opts: PredictOptions
     provenance: dict[str, Any]
     report: Callable[[Cell, dict[str, Any]], None]
+    pool: Executor | None = None
     # A predicted host_oom costs nothing and grows with the cell like an OOM: the search bisects on it
     too_big: tuple[str, ...] = ("oom", "host_oom")
 
     def __post_init__(self) -> None:
-        self.predicted = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id, results.PREDICTED)
+        self.raw_dir = self.opts.results_dir / "raw" / self.opts.run_id
+        self.predicted = results.read_raw(self.raw_dir, results.PREDICTED)
         self.rows: dict[str, dict[str, Any]] = {}
         self.host = HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))  # as a GPU host plans
 
@@ -201,8 +205,9 @@ class PredictedProbes:
         ran = plain.cell_id not in self.predicted
         if ran:
             planned = PlannedCell(plain, skip_reason(plain, self.matrix, self.host))
-            self.predicted.update((r["cell_id"], r) for r in predict_runner.run([planned], self.opts, self.provenance,
-                                                                                 self.report))
+            found = predict_runner.predicted_in(self.pool, planned, self.opts.card)
+            self.predicted[plain.cell_id] = predict_runner.record(plain, found, self.opts, self.provenance,
+                                                                  self.raw_dir, self.report)
         found = self.predicted[plain.cell_id]
         status = found["status"]
         if status == "ok" and self._host_runs_out(found):
@@ -242,16 +247,19 @@ class FrontierRun:
     def rows(self) -> dict[str, dict[str, Any]]:
         return self.probes.rows
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self, jobs: int = 1) -> list[dict[str, Any]]:
         """Per model x stack: the batch frontier at each of the matrix's sequence lengths, then the
-        sequence frontier at batch 1, each over the budgets. One summary row per search."""
+        sequence frontier at batch 1, each over the budgets. One summary row per search. With jobs > 1,
+        that many model x stack searches at once (their probes must be able to run side by side)."""
+        pairs = [(model, stack) for model in self.matrix.models for stack in self.matrix.stacks]
+        with ThreadPoolExecutor(max_workers=jobs) as threads:
+            return [row for rows in threads.map(lambda pair: self.of_stack(*pair), pairs) for row in rows]
+
+    def of_stack(self, model: str, stack: Stack) -> list[dict[str, Any]]:
         out = []
-        for model in self.matrix.models:
-            for stack in self.matrix.stacks:
-                for seq in self.matrix.seq_lens:
-                    out += self.over_budgets(model, stack, "batch", seq)
-                out += self.over_budgets(model, stack, "seq", 1)
-        return out
+        for seq in self.matrix.seq_lens:
+            out += self.over_budgets(model, stack, "batch", seq)
+        return out + self.over_budgets(model, stack, "seq", 1)
 
     def over_budgets(self, model: str, stack: Stack, axis: str, fixed: int) -> list[dict[str, Any]]:
         plan = self.plan

@@ -189,12 +189,13 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     """`bench fit --predict`: each probe a fake run; a cell fits when the smallest card it runs on (its trace
     replayed within the budget less the H100's context, the allocator releasing its cache and retrying, as a
     measured probe's capped allocator does) is within the budget, which may be less than its device peak
-    with no cap; a stack the fake run does not cover stops with its reason."""
+    with no cap; a stack the fake run does not cover stops with its reason. Two stacks are searched side by side
+    (--jobs 2), each fake run in one of two processes."""
     from conftest import run_bench, write_matrix
 
     write_matrix(workdir, PREDICTED_FIT)
     proc = run_bench(workdir, "fit", "f", "--predict", "--budgets", "0.82", "--max-batch", "16", "--seq-step", "256",
-                     "--max-seq", "1024", "--run-id", "fp")
+                     "--max-seq", "1024", "--run-id", "fp", "--jobs", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fit_dir = workdir / "results" / "f" / "fit"
     summary = pd.read_parquet(fit_dir / "fp.parquet").set_index(["stack", "axis"])
@@ -220,6 +221,8 @@ def test_a_predicted_fit_says_where_the_host_runs_out(workdir) -> None:
     args = ("fit", "f", "--budgets", "80", "--max-batch", "4", "--seq-step", "64", "--max-seq", "128")
     refused = run_bench(workdir, *args, "--host-memory-gib", "1")
     assert refused.returncode == 2 and "--host-memory-gib" in refused.stderr
+    refused = run_bench(workdir, *args, "--jobs", "2")
+    assert refused.returncode == 2 and "--jobs spreads fake runs over processes: it needs --predict" in refused.stderr
     proc = run_bench(workdir, *args, "--predict", "--host-memory-gib", "1", "--run-id", "fh")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = pd.read_parquet(workdir / "results" / "f" / "fit" / "fh.parquet").set_index("axis")

@@ -16,7 +16,7 @@ import dataclasses
 import datetime as dt
 import json
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -79,10 +79,10 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     runnable = [pc.cell for pc in todo if pc.skip_reason is None]
     for pc in todo:
         if pc.skip_reason is not None:
-            rows[pc.cell.cell_id] = _record(pc.cell, {"status": "skipped", "skip_reason": pc.skip_reason},
-                                            opts, provenance, raw_dir, report)
+            rows[pc.cell.cell_id] = record(pc.cell, {"status": "skipped", "skip_reason": pc.skip_reason},
+                                           opts, provenance, raw_dir, report)
     for cell, found in _predictions(runnable, opts):
-        rows[cell.cell_id] = _record(cell, found, opts, provenance, raw_dir, report)
+        rows[cell.cell_id] = record(cell, found, opts, provenance, raw_dir, report)
     return [rows[pc.cell.cell_id] for pc in planned if pc.cell.cell_id in rows]
 
 
@@ -105,7 +105,7 @@ def _predictions(runnable: list[Cell], opts: PredictOptions) -> Any:
         for cell in runnable:
             yield cell, predict_cell(cell, opts.card)
         return
-    with ProcessPoolExecutor(max_workers=opts.jobs, mp_context=get_context("spawn")) as pool:
+    with spawned_pool(opts.jobs) as pool:
         found = pool.map(_predict_in_worker, [(c.to_json(), opts.card) for c in runnable])
         yield from zip(runnable, found, strict=True)
 
@@ -117,7 +117,24 @@ def _predict_in_worker(job: tuple[dict[str, Any], gpus.GpuKind]) -> dict[str, An
     return predict_cell(Cell.from_json(cell_json), card)
 
 
-def _record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: dict[str, Any], raw_dir: Path,
+def predicted_in(pool: Executor | None, planned: PlannedCell, card: gpus.GpuKind) -> dict[str, Any]:
+    """One planned cell's predicted columns: skipped, or its fake run in one of `pool`'s processes (each
+    imports torch once; a thread may wait on it while others search), else in this process."""
+    if planned.skip_reason is not None:
+        return {"status": "skipped", "skip_reason": planned.skip_reason}
+    if pool is None:
+        from .fake import predict_cell
+
+        return predict_cell(planned.cell, card)
+    return pool.submit(_predict_in_worker, (planned.cell.to_json(), card)).result()
+
+
+def spawned_pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` processes that predict cells (spawned: a fork would copy this process's torch state)."""
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+
+
+def record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: dict[str, Any], raw_dir: Path,
             report: Callable[[Cell, dict[str, Any]], None]) -> dict[str, Any]:
     c = cell.to_json()
     memory = opts.gpu_memory_gib if opts.gpu_memory_gib is not None else opts.gpu.memory_gib
