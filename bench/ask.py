@@ -4,6 +4,11 @@ published GPU run measured for the same settings, where one did.
 
     python -m bench ask llama-3.1-8b --seq 4096 --batch 2 --stack "gc + lora"
     python -m bench ask path/to/Qwen3-8B/config.json --seq 8192 --stack "gc + lora" --gpu-memory-gib 24
+    python -m bench ask llama-3.1-8b --largest seq --stack "gc + qlora" --gpu-memory-gib 24
+
+`--largest batch` (at --seq) or `--largest seq` (at --batch) asks the question the other way round:
+the largest size whose verdict on the card is "fits", searched as `bench fit --predict` searches a
+budget (interpolated between the sizes predicted, same boundary as bisection), a few fake runs.
 
 A model is a registry name (bench/model_configs) or any config.json transformers can build (a hub
 model's, downloaded alone: no weights are needed). Nothing is written under results/: the answer is
@@ -14,13 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from . import envinfo, results, spec
+from . import envinfo, fit, results, spec
 from .cells import Cell
 from .predict import gpus
 from .predict import report as predict_report
@@ -117,15 +122,14 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 def text(a: Answer) -> str:
     """The answer for a person: the prediction, labelled as one, the verdict, and any measurement."""
     c, p = a.cell, a.predicted
-    ranks = f"{c.gpus} GPUs (per GPU)" if c.gpus > 1 else "1 GPU"
+    ranks = _ranks(c.gpus)
     capacity = f" ({a.card.memory_gib:.2f} GiB)" if a.card.memory_gib is not None else ""
     lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, stack {c.stack.label}, {ranks}: "
              f"{a.card.name}{capacity}", f"cell {c.cell_id}"]
     if p["status"] == "ok":
         lines += _predicted_lines(a)
     else:
-        why = p.get("unsupported_reason") or p.get("skip_reason") or p.get("error") or ""
-        lines.append(f"not predicted ({p['status']}): {str(why).strip().splitlines()[-1] if why else ''}")
+        lines.append(_not_predicted(p))
     lines.append(f"verdict: {a.verdict}{_verdict_detail(a)}")
     by_run: dict[str, list[dict[str, Any]]] = {}
     for row in a.measured:
@@ -135,6 +139,15 @@ def text(a: Answer) -> str:
         lines.append("  measured under other releases than predicted here: the fake run runs the step's own code, "
                      "so it follows the releases it runs on (results/PREDICTION.md, By software)")
     return "\n".join(lines)
+
+
+def _ranks(count: int) -> str:
+    return f"{count} GPUs (per GPU)" if count > 1 else "1 GPU"
+
+
+def _not_predicted(p: dict[str, Any]) -> str:
+    why = p.get("unsupported_reason") or p.get("skip_reason") or p.get("error") or ""
+    return f"not predicted ({p['status']}): {str(why).strip().splitlines()[-1] if why else ''}"
 
 
 def _software(row: dict[str, Any]) -> str:
@@ -215,6 +228,82 @@ def _measured_line(rows: list[dict[str, Any]]) -> str:
     why = f" ({str(why).strip().splitlines()[-1]})" if why else ""
     return (f"measured: {row['status']}{why} on {row.get('gpu_name') or 'a GPU'}, run {row['run_id']} "
             f"({_software(row)}){': ' + figures if figures else ''}{repeats}")
+
+
+# --- The question the other way round: the largest batch or sequence length that fits the card ---
+
+# A verdict as the fit search reads a probe's status: what fits, what bounds the search, what stops it.
+SEARCH_STATUS = {"fits": "ok", "does not fit": "oom", "host_oom": "host_oom"}
+
+
+@dataclass(frozen=True)
+class Largest:
+    question: Question  # the settings held fixed (on the searched axis: the smallest candidate)
+    axis: str  # batch | seq
+    frontier: fit.Frontier
+    answers: dict[int, Answer]  # size -> the answer predicted for it (every size probed)
+
+    @property
+    def verdict(self) -> str:
+        """fits (some size does) | does not fit (not even the smallest) | not predicted (the search stopped)."""
+        if self.frontier.stopped:
+            return "not predicted"
+        return "fits" if self.frontier.largest_ok is not None else "does not fit"
+
+
+def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind, host_memory_gib: float | None,
+            results_dir: Path) -> Largest:
+    """The largest of `sizes` (batch sizes, or sequence lengths) whose answer on the card is "fits"."""
+    answers: dict[int, Answer] = {}
+
+    def asked(size: int) -> Question:
+        return replace(question, batch_size=size) if axis == "batch" else replace(question, seq_len=size)
+
+    def probe(size: int) -> str:
+        answers[size] = answer(asked(size), card, host_memory_gib, results_dir)
+        return SEARCH_STATUS.get(answers[size].verdict) or str(answers[size].predicted.get("status"))
+
+    def need_gib(size: int) -> float | None:
+        found = answers.get(size)
+        return fit.predicted_need_gib(found.predicted) if found and found.verdict in ("fits", "does not fit") else None
+
+    assert card.memory_gib is not None, "a search needs the card's capacity"
+    frontier = fit.search(sizes, probe, too_big=("oom", "host_oom"), needs=fit.Needs(need_gib, card.memory_gib))
+    return Largest(question, axis, frontier, answers)
+
+
+def largest_text(found: Largest) -> str:
+    q, f, card = found.question, found.frontier, next(iter(found.answers.values())).card
+    fixed = f"seq {q.seq_len}" if found.axis == "batch" else f"batch {q.batch_size}"
+    lines = [f"{q.model}, {fixed}, stack {q.stack}, {_ranks(q.gpus)}: {card.name} ({card.memory_gib:.2f} GiB)"]
+    if found.verdict == "not predicted":
+        lines.append(f"the search stopped at {f.stopped.split(' at ')[-1]}: "
+                     + _not_predicted(found.answers[f.probes[-1]].predicted))
+    else:
+        beyond = (f"{found.axis} {f.smallest_oom} does not fit" if f.smallest_oom is not None
+                  else "the largest searched")
+        lines.append(f"largest {found.axis} that fits (predicted, not measured): {f.largest_ok or 'none'}, "
+                     f"{beyond}")
+    for size in sorted(x for x in (f.largest_ok, f.smallest_oom) if x is not None):
+        p = found.answers[size].predicted
+        figures = [f"{label} {p[column]:.2f} GiB" for label, column in (
+            ("peak allocated", "peak_allocated_gib"), ("whole device", "device_peak_gib"),
+            ("smallest card", "least_card_gib")) if p.get(column) is not None]
+        lines.append(f"  {found.axis} {size}: {found.answers[size].verdict}, " + ", ".join(figures))
+    seconds = sum(a.predicted.get("predict_s") or 0 for a in found.answers.values())
+    sample = next(iter(found.answers.values())).predicted
+    lines.append(f"searched {len(f.probes)} size{'s' if len(f.probes) > 1 else ''} ({', '.join(map(str, f.probes))}): "
+                 "fake runs on this CPU, "
+                 f"{seconds / 60:.1f} min, under {_software(sample)}")
+    return "\n".join(lines)
+
+
+def largest_json(found: Largest) -> str:
+    f = found.frontier
+    return json.dumps({"axis": found.axis, "verdict": found.verdict, "largest_ok": f.largest_ok,
+                       "smallest_not_fitting": f.smallest_oom, "stopped": f.stopped or None, "probes": list(f.probes),
+                       "predicted": {str(size): _plain(a.predicted) for size, a in found.answers.items()}},
+                      default=str, indent=1)
 
 
 def as_json(a: Answer) -> str:

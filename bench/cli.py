@@ -123,8 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "measurement of it (writes nothing; exit 0 fits, 1 does not, 3 not predicted)")
     ask_p.add_argument("model", help=f"a registry model ({', '.join(m for m in models.registry() if not m.startswith('tiny'))}, "
                                      "...) or a path to any model's config.json")
-    ask_p.add_argument("--seq", type=int, required=True, help="sequence length, tokens")
-    ask_p.add_argument("--batch", type=int, default=1, help="batch size per GPU (default 1)")
+    ask_p.add_argument("--seq", type=int, help="sequence length, tokens (not with --largest seq)")
+    ask_p.add_argument("--batch", type=int, help="batch size per GPU (default 1; not with --largest batch)")
     ask_p.add_argument("--stack", default="baseline", help="technique stack, as in matrix.yaml, e.g. 'gc + lora(r=16)' "
                                                            "(default baseline)")
     ask_p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) for an FSDP2 or DDP stack (default 1)")
@@ -132,6 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     ask_p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(gpus.GPUS)} (default h100)")
     ask_p.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
     ask_p.add_argument("--host-memory-gib", type=float, help="the host's RAM, GiB: an offload stack says whether it fits")
+    ask_p.add_argument("--largest", choices=("batch", "seq"),
+                       help="the other way round: the largest batch (at --seq) or sequence length (at --batch) that "
+                            "fits the card, a few fake runs")
+    ask_p.add_argument("--max-batch", type=int, default=64, help="with --largest batch: the largest searched (default 64)")
+    ask_p.add_argument("--seq-step", type=int, default=1024,
+                       help="with --largest seq: lengths searched are multiples of this (default 1024)")
+    ask_p.add_argument("--max-seq", type=int, default=131072,
+                       help="with --largest seq: the longest searched (default 131072)")
     ask_p.add_argument("--json", action="store_true", help="the predicted row and the measured rows as JSON")
     ask_p.set_defaults(func=cmd_ask)
 
@@ -347,11 +355,37 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
         raise spec.SpecError("--gpu-memory-gib and --host-memory-gib must be positive")
     card = dataclasses.replace(_gpu_kind(args.gpu), **({"memory_gib": args.gpu_memory_gib} if args.gpu_memory_gib else {}))
-    question = ask.Question(model, args.seq, args.batch, args.stack, args.gpus, args.checkpoint)
+    sizes = _ask_sizes(args, card)
+    question = ask.Question(model, sizes[0] if args.largest == "seq" else args.seq, 1 if args.batch is None else args.batch,
+                            args.stack, args.gpus, args.checkpoint)
     ask.cell_for(question)  # bad input (model, stack, sizes) is an error before anything runs
+    if args.largest:
+        frontier = ask.largest(question, args.largest, sizes, card, args.host_memory_gib, args.results_dir)
+        print(ask.largest_json(frontier) if args.json else ask.largest_text(frontier))
+        return ask.EXIT_CODES[frontier.verdict]
     found = ask.answer(question, card, args.host_memory_gib, args.results_dir)
     print(ask.as_json(found) if args.json else ask.text(found))
     return ask.EXIT_CODES[found.verdict]
+
+
+def _ask_sizes(args: argparse.Namespace, card: gpus.GpuKind) -> list[int]:
+    """The sizes `--largest` searches ([] without it), once the flags are checked."""
+    if args.largest is None:
+        if args.seq is None:
+            raise spec.SpecError("--seq is needed (or --largest seq, to search it)")
+        return []
+    fixed = {"batch": ("--seq", args.seq, "--batch", args.batch), "seq": ("--batch", args.batch, "--seq", args.seq)}
+    needed, given, searched, also = fixed[args.largest]
+    if also is not None:
+        raise spec.SpecError(f"--largest {args.largest} searches {searched}: do not give it")
+    if args.largest == "batch" and given is None:
+        raise spec.SpecError(f"--largest batch searches at one sequence length: give {needed}")
+    if card.memory_gib is None:
+        raise spec.SpecError(f"--largest needs the card's memory: {card.key}'s is not measured, pass --gpu-memory-gib")
+    if args.max_batch < 1 or args.seq_step < 1 or args.max_seq < args.seq_step:
+        raise spec.SpecError("--max-batch must be >= 1, --max-seq >= --seq-step >= 1")
+    return (list(range(1, args.max_batch + 1)) if args.largest == "batch"
+            else list(range(args.seq_step, args.max_seq + 1, args.seq_step)))
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -103,7 +103,13 @@ def test_a_config_file_that_is_not_a_model_is_exit_2_naming_the_problem(
 @pytest.mark.parametrize("args", [["nosuch", "--seq", "64"], ["tiny-llama", "--seq", "0"],
                                   ["tiny-llama", "--seq", "64", "--stack", "gc + nosuch"],
                                   ["tiny-llama", "--seq", "64", "--checkpoint", "half"],
-                                  ["tiny-llama", "--seq", "64", "--gpu", "v100"]])
+                                  ["tiny-llama", "--seq", "64", "--gpu", "v100"],
+                                  ["tiny-llama", "--seq", "64", "--batch", "0"],
+                                  ["tiny-llama"], ["tiny-llama", "--largest", "batch"],
+                                  ["tiny-llama", "--largest", "batch", "--seq", "64", "--batch", "2"],
+                                  ["tiny-llama", "--largest", "seq", "--seq", "64"],
+                                  ["tiny-llama", "--largest", "seq", "--gpu", "a100"],
+                                  ["tiny-llama", "--largest", "seq", "--seq-step", "512", "--max-seq", "256"]])
 def test_bad_questions_are_exit_2_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        args: list[str]) -> None:
     assert cli.main(["--results-dir", str(tmp_path), "ask", *args]) == 2
@@ -123,3 +129,26 @@ def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judg
     unmeasured = gpus.GpuKind("x", "a card whose context is not measured", (8, 9), memory_gib=24.0)
     assert _answer(unmeasured).verdict == "not judged"  # reserved + an unknown context
     assert _answer(unmeasured, peak_allocated_gib=30.0).verdict == "does not fit"  # live tensors alone exceed it
+
+
+def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--largest batch: the search's answer agrees with asking its two sides one by one (fits, then does
+    not), in fewer fake runs than bisecting 64 candidates would take twice over."""
+    card = ["--seq", "256", "--gpu-memory-gib", "0.9"]
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "batch", *card, "--json")
+    found = json.loads(out)
+    largest = found["largest_ok"]
+    assert code == 0 and found["verdict"] == "fits" and 1 < largest < 64, out
+    assert found["smallest_not_fitting"] == largest + 1 and len(found["probes"]) < 12
+    assert found["predicted"][str(largest)]["fits"] is True and found["predicted"][str(largest + 1)]["fits"] is False
+    assert _ask(tmp_path, capsys, "tiny-llama", "--batch", str(largest), *card)[0] == 0
+    assert _ask(tmp_path, capsys, "tiny-llama", "--batch", str(largest + 1), *card)[0] == 1
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "batch", *card)
+    assert f"largest batch that fits (predicted, not measured): {largest}, batch {largest + 1} does not fit" in out
+
+
+def test_the_longest_sequence_search_stops_on_a_stack_the_fake_run_cannot_see(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "seq", "--stack", "compile", "--gpu-memory-gib", "1")
+    assert code == 3 and "the search stopped at 65536: not predicted (unsupported): compile:" in out
