@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,9 @@ class Largest:
 
 
 def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind, host_memory_gib: float | None,
-            results_dir: Path) -> Largest:
-    """The largest of `sizes` (batch sizes, or sequence lengths) whose answer on the card is "fits"."""
+            results_dir: Path, report: Callable[[str], None] = lambda line: None) -> Largest:
+    """The largest of `sizes` (batch sizes, or sequence lengths) whose answer on the card is "fits";
+    `report` gets a line as each size is answered."""
     answers: dict[int, Answer] = {}
 
     def asked(size: int) -> Question:
@@ -261,6 +263,7 @@ def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind,
 
     def probe(size: int) -> str:
         answers[size] = answer(asked(size), card, host_memory_gib, results_dir)
+        report(f"{axis} {size}: {answers[size].verdict}{_verdict_detail(answers[size])}")
         return SEARCH_STATUS.get(answers[size].verdict) or str(answers[size].predicted.get("status"))
 
     def need_gib(size: int) -> float | None:

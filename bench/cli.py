@@ -360,7 +360,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
                             args.stack, args.gpus, args.checkpoint)
     ask.cell_for(question)  # bad input (model, stack, sizes) is an error before anything runs
     if args.largest:
-        frontier = ask.largest(question, args.largest, sizes, card, args.host_memory_gib, args.results_dir)
+        frontier = ask.largest(question, args.largest, sizes, card, args.host_memory_gib, args.results_dir,
+                               lambda line: print(line, file=sys.stderr, flush=True))
         print(ask.largest_json(frontier) if args.json else ask.largest_text(frontier))
         return ask.EXIT_CODES[frontier.verdict]
     found = ask.answer(question, card, args.host_memory_gib, args.results_dir)
