@@ -276,9 +276,10 @@ def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind,
 
 
 def largest_text(found: Largest) -> str:
-    q, f, card = found.question, found.frontier, next(iter(found.answers.values())).card
+    q, f, first = found.question, found.frontier, next(iter(found.answers.values()))
     fixed = f"seq {q.seq_len}" if found.axis == "batch" else f"batch {q.batch_size}"
-    lines = [f"{q.model}, {fixed}, stack {q.stack}, {_ranks(q.gpus)}: {card.name} ({card.memory_gib:.2f} GiB)"]
+    lines = [f"{q.model}, {fixed}, stack {first.cell.stack.label}, {_ranks(q.gpus)}: {first.card.name} "
+             f"({first.card.memory_gib:.2f} GiB)"]
     if found.verdict == "not predicted":
         lines.append(f"the search stopped at {f.stopped.split(' at ')[-1]}: "
                      + _not_predicted(found.answers[f.probes[-1]].predicted))
@@ -294,10 +295,9 @@ def largest_text(found: Largest) -> str:
             ("smallest card", "least_card_gib")) if p.get(column) is not None]
         lines.append(f"  {found.axis} {size}: {found.answers[size].verdict}, " + ", ".join(figures))
     seconds = sum(a.predicted.get("predict_s") or 0 for a in found.answers.values())
-    sample = next(iter(found.answers.values())).predicted
     lines.append(f"searched {len(f.probes)} size{'s' if len(f.probes) > 1 else ''} ({', '.join(map(str, f.probes))}): "
                  "fake runs on this CPU, "
-                 f"{seconds / 60:.1f} min, under {_software(sample)}")
+                 f"{seconds / 60:.1f} min, under {_software(first.predicted)}")
     return "\n".join(lines)
 
 
