@@ -296,6 +296,20 @@ class FrontierRun:
                 return row, b
         return {}, None
 
+    def not_monotone(self, sizes: list[int], budget: float, cell_for: Callable[[int], Cell]) -> str:
+        """Sizes seen not to fit below one seen to fit, under this budget: what every size predicted (at any
+        budget) needs, and every probe measured at this one."""
+        fits, needs = {}, {}
+        for size in sizes:
+            cell = cell_for(size)
+            need = self.probes.need_gib(cell)
+            status = self.rows.get(cell.row_key, {}).get("status")
+            if need is not None:
+                needs[size], fits[size] = need, need <= budget
+            elif status == "ok" or status in self.probes.too_big:
+                fits[size] = status == "ok"
+        return _not_monotone_text(fits, needs)
+
     def probe(self, cell: Cell, ran: list[int], size: int) -> str:
         if cell.row_key not in self.rows and self.probes.run(cell):  # a resumed search re-uses what it has
             ran.append(size)
@@ -314,9 +328,22 @@ class FrontierRun:
             "probes": len(found.probes), "probes_run": len(ran), "stopped": found.stopped,
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
+            "not_monotone": self.not_monotone(sizes, budget, cell_for),
             **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
                                         "allocator_cap_gib", "device_peak_gib", "least_card_gib")},
         }
+
+
+def _not_monotone_text(fits: dict[int, bool], needs: dict[int, float]) -> str:
+    """Where a size known not to fit lies below one known to fit ("" where none does): the search
+    assumes the opposite, so its boundary is one of several."""
+    largest_ok = max((s for s, ok in fits.items() if ok), default=0)
+    below = sorted(s for s, ok in fits.items() if not ok and s < largest_ok)
+
+    def said(size: int) -> str:
+        return f"{size} ({needs[size]:.2f} GiB)" if size in needs else str(size)
+
+    return f"{', '.join(map(said, below))} not fitting, below {said(largest_ok)} fitting" if below else ""
 
 
 def hints_from(summary: Any) -> Hints:

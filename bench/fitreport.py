@@ -60,8 +60,28 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
                          f"{_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
+    flagged = not_monotone(summary)
+    lines += ["", *flagged] if flagged else []
     lines += beside_published(summary, str(first["matrix"]), "measured")
     return "\n".join(lines) + "\n"
+
+
+def not_monotone(summary: pd.DataFrame) -> list[str]:
+    """The searches where a size was seen not to fit below one that fits: the search assumes what fits at
+    a size fits below it, so there its boundary is one of several (the allocator's fragmentation can make
+    a larger cell reserve less)."""
+    flagged = summary[summary["not_monotone"].fillna("") != ""] if "not_monotone" in summary else summary.iloc[:0]
+    if not len(flagged):
+        return []
+    lines = ["## Not monotone", "",
+             "Where a size did not fit below one that did, under the same budget (needs in GiB where predicted): "
+             "the search assumes the opposite, so its boundary above is one of several, and a size below the "
+             "smallest seen not to fit is the safer choice.", "",
+             "| budget GiB | model | stack | search | seen |", "|---|---|---|---|---|"]
+    for _, r in flagged.sort_values(["budget_gib", "model", "stack", "axis"]).iterrows():
+        search = f"batch at seq {int(r['seq_len'])}" if r["axis"] == "batch" else f"seq at batch {int(r['batch_size'])}"
+        lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {search} | {r['not_monotone']} |")
+    return [*lines, ""]
 
 
 def publish_predicted(summary: list[dict], predictions: list[dict], out_dir: Path, run_id: str, gpu_name: str) -> Path:
@@ -115,6 +135,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
                          f"{_too_big(r)} |")
         lines.append("")
+    lines += not_monotone(summary)
     lines += beside_published(summary, str(first["matrix"]), "predicted")
     unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
     if len(unsupported):

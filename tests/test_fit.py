@@ -7,7 +7,8 @@ import math
 import pandas as pd
 import pytest
 
-from bench import fit
+from bench import fit, spec
+from bench.cells import make_cell
 
 
 def _prober(limit: int, log: list[int]):
@@ -108,6 +109,48 @@ def test_a_near_linear_need_is_found_in_fewer_probes_than_bisection_and_known_ne
     assert logs == [[176, 88, 8, 9], [56, 57], [142, 143], [296, 297]]
     assert fit.search(sizes, lambda s: "ok" if need(s) <= 20.0 else "oom", known_ok=8).probes == (
         180, 94, 51, 72, 61, 56, 58, 57)  # bisection, from the same start
+
+
+class _Needing:
+    """Probes whose cells need `needs[batch]` GiB, known once probed (as a predicted search's)."""
+
+    too_big = ("oom",)
+
+    def __init__(self, needs: dict[int, float]) -> None:
+        self.needs, self.rows, self.known = needs, {}, set()
+
+    def run(self, cell) -> bool:
+        self.known.add(cell.batch_size)
+        self.rows[cell.row_key] = {"status": "ok" if self.needs[cell.batch_size] <= cell.budget_gib else "oom"}
+        return True
+
+    def need_gib(self, cell) -> float | None:
+        return self.needs[cell.batch_size] if cell.batch_size in self.known else None
+
+
+def test_a_size_seen_not_to_fit_below_one_that_fits_is_flagged_on_the_board() -> None:
+    """Reserved memory is not always monotone in the batch (the allocator's fragmentation): a search cannot
+    know, but where a size was seen to fail below one that fits, the summary and the board say so."""
+    from bench import fitreport
+    from bench.envinfo import HostCaps
+
+    matrix = spec.from_mapping("f", {"device": "cpu", "models": ["tiny-llama"], "seq_lens": [64], "batch_sizes": [1],
+                                     "stacks": ["baseline"]})
+    probes = _Needing({b: 10.0 + b for b in range(1, 9)} | {5: 16.5})  # batch 5 needs more than batch 6
+    run = fit.FrontierRun(matrix, HostCaps(0, frozenset()), fit.FitPlan((16.2,), max_batch=8, max_seq=64, seq_step=64),
+                          probes)
+    batch, _ = run.all()
+    assert (batch["largest_ok"], batch["smallest_oom"], batch["not_monotone"]) == (6, 7, "")  # 5 was not probed
+
+    def cell_for(size: int):
+        return make_cell(matrix, "cpu", "tiny-llama", 64, size, matrix.stacks[0], budget_gib=16.2)
+
+    probes.known.update(range(1, 9))  # as if other budgets' searches had predicted every size
+    seen = run.not_monotone(list(range(1, 9)), 16.2, cell_for)
+    assert seen == "5 (16.50 GiB) not fitting, below 6 (16.00 GiB) fitting"
+    board = fitreport.not_monotone(pd.DataFrame([{**batch, "not_monotone": seen}]))
+    assert board[0] == "## Not monotone" and f"| 16.2 | tiny-llama | `baseline` | batch at seq 64 | {seen} |" in board
+    assert fitreport.not_monotone(pd.DataFrame([batch])) == []
 
 
 FIT = """
