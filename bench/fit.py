@@ -14,7 +14,10 @@ nearly linearly with batch and sequence length, so it interpolates where the nee
 (regula falsi on the candidates), from every size already predicted, at this budget or another. Where
 the line is right, the size it names and the next one settle the search. Two interpolation steps
 that do not halve the interval (a need far from linear) are followed by a bisection step, so a
-search costs at most three times bisection's bound, and it finds the same boundary.
+search costs at most three times bisection's bound. Where needs rise with the size it finds the
+boundary bisection finds; where they do not (the allocator's fragmentation can make a larger cell
+reserve less), any search's boundary is one of several, and the summary says what it saw
+(`not_monotone`).
 
 Probes: measured (MeasuredProbes: each a cell of its own, run by the runner in a fresh process,
 recorded as a row) or predicted (PredictedProbes, `bench fit --predict`: each cell's fake run, once

@@ -112,8 +112,8 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "peak (reserved with no cap + the context); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
              "accounting + the fake run's other bytes, its method the hybrid/ one above).",
              "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
-             "already predicted cross its budget (bisecting where they do not rise in a line); it ends at the same "
-             "boundary as bisection, in fewer fake runs.",
+             "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
+             "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
