@@ -8,7 +8,7 @@ published GPU run measured for the same settings, where one did.
 
 `--largest batch` (at --seq) or `--largest seq` (at --batch) asks the question the other way round:
 the largest size whose verdict on the card is "fits", searched as `bench fit --predict` searches a
-budget (interpolated between the sizes predicted, same boundary as bisection), a few fake runs.
+budget (interpolated between the sizes predicted), a few fake runs.
 
 A model is a registry name (bench/model_configs) or any config.json transformers can build (a hub
 model's, downloaded alone: no weights are needed). Nothing is written under results/: the answer is
@@ -267,12 +267,16 @@ def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind,
         return SEARCH_STATUS.get(answers[size].verdict) or str(answers[size].predicted.get("status"))
 
     def need_gib(size: int) -> float | None:
-        found = answers.get(size)
-        return fit.predicted_need_gib(found.predicted) if found and found.verdict in ("fits", "does not fit") else None
+        return _need_gib(answers[size]) if size in answers else None
 
     assert card.memory_gib is not None, "a search needs the card's capacity"
     frontier = fit.search(sizes, probe, too_big=("oom", "host_oom"), needs=fit.Needs(need_gib, card.memory_gib))
     return Largest(question, axis, frontier, answers)
+
+
+def _need_gib(a: Answer) -> float | None:
+    """The card a size needs (its smallest card, else its device peak), where the device was judged."""
+    return fit.predicted_need_gib(a.predicted) if a.verdict in ("fits", "does not fit") else None
 
 
 def largest_text(found: Largest) -> str:
@@ -294,6 +298,11 @@ def largest_text(found: Largest) -> str:
             ("peak allocated", "peak_allocated_gib"), ("whole device", "device_peak_gib"),
             ("smallest card", "least_card_gib")) if p.get(column) is not None]
         lines.append(f"  {found.axis} {size}: {found.answers[size].verdict}, " + ", ".join(figures))
+    needs = {size: need for size, a in found.answers.items() if (need := _need_gib(a)) is not None}
+    seen = fit.not_monotone_text({size: a.verdict == "fits" for size, a in found.answers.items()
+                                  if a.verdict in SEARCH_STATUS}, needs)
+    if seen:
+        lines.append(f"  not monotone: {seen}; a size below the smallest that does not fit is the safer choice")
     seconds = sum(a.predicted.get("predict_s") or 0 for a in found.answers.values())
     lines.append(f"searched {len(f.probes)} size{'s' if len(f.probes) > 1 else ''} ({', '.join(map(str, f.probes))}): "
                  "fake runs on this CPU, "

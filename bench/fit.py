@@ -311,7 +311,7 @@ class FrontierRun:
                 needs[size], fits[size] = need, need <= budget
             elif status == "ok" or status in self.probes.too_big:
                 fits[size] = status == "ok"
-        return _not_monotone_text(fits, needs)
+        return not_monotone_text(fits, needs)
 
     def probe(self, cell: Cell, ran: list[int], size: int) -> str:
         if cell.row_key not in self.rows and self.probes.run(cell):  # a resumed search re-uses what it has
@@ -337,7 +337,7 @@ class FrontierRun:
         }
 
 
-def _not_monotone_text(fits: dict[int, bool], needs: dict[int, float]) -> str:
+def not_monotone_text(fits: dict[int, bool], needs: dict[int, float]) -> str:
     """Where a size known not to fit lies below one known to fit ("" where none does): the search
     assumes the opposite, so its boundary is one of several."""
     largest_ok = max((s for s, ok in fits.items() if ok), default=0)

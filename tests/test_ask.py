@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ask, cli, envinfo, models, results
+from bench import ask, cli, envinfo, fit, models, results
 from bench.predict import gpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,3 +152,17 @@ def test_the_longest_sequence_search_stops_on_a_stack_the_fake_run_cannot_see(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "seq", "--stack", "compile", "--gpu-memory-gib", "1")
     assert code == 3 and "the search stopped at 65536: not predicted (unsupported): compile:" in out
+
+
+def test_the_largest_search_says_when_a_size_failed_below_one_that_fits() -> None:
+    """Predicted reserved memory is not always monotone in the size: the answer says what the search saw."""
+    def sized(fits: bool, least: float) -> ask.Answer:
+        return _answer(fits=fits, least_card_gib=least, device_peak_gib=least, predict_s=1.0)
+
+    answers = {4: sized(True, 23.0), 5: sized(False, 24.5), 6: sized(True, 23.9), 7: sized(False, 25.0)}
+    found = ask.Largest(ask.Question("tiny-llama", 64, 1), "batch", fit.Frontier(6, 7, (4, 7, 6, 5)), answers)
+    text = ask.largest_text(found)
+    assert "largest batch that fits (predicted, not measured): 6, batch 7 does not fit" in text
+    assert "not monotone: 5 (24.50 GiB) not fitting, below 6 (23.90 GiB) fitting" in text
+    del answers[5]
+    assert "not monotone" not in ask.largest_text(found)
