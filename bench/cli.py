@@ -186,7 +186,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     for reason, count in skipped.items():  # one line per reason: a GPU matrix on a CPU is one reason, not 336 lines
         example = next(pc.cell.cell_id for pc in planned if pc.skip_reason == reason)
         print(f"  skip  {example}  ({reason})" if count == 1 else f"  skip  {count} cells, e.g. {example}  ({reason})")
-    print("Cells after an OOM at a smaller batch of the same model/seq/stack are pruned at run time.")
+    if matrix.prune_after_oom:
+        print("Cells after an OOM at a smaller batch of the same model/seq/stack are pruned at run time.")
     return 0
 
 
