@@ -376,12 +376,11 @@ def _ask_sizes(args: argparse.Namespace, card: gpus.GpuKind) -> list[int]:
         if args.seq is None:
             raise spec.SpecError("--seq is needed (or --largest seq, to search it)")
         return []
-    fixed = {"batch": ("--seq", args.seq, "--batch", args.batch), "seq": ("--batch", args.batch, "--seq", args.seq)}
-    needed, given, searched, also = fixed[args.largest]
-    if also is not None:
-        raise spec.SpecError(f"--largest {args.largest} searches {searched}: do not give it")
-    if args.largest == "batch" and given is None:
-        raise spec.SpecError(f"--largest batch searches at one sequence length: give {needed}")
+    searched = {"batch": args.batch, "seq": args.seq}[args.largest]
+    if searched is not None:
+        raise spec.SpecError(f"--largest {args.largest} searches --{args.largest}: do not give it")
+    if args.largest == "batch" and args.seq is None:
+        raise spec.SpecError("--largest batch searches at one sequence length: give --seq")
     if card.memory_gib is None:
         raise spec.SpecError(f"--largest needs the card's memory: {card.key}'s is not measured, pass --gpu-memory-gib")
     if args.max_batch < 1 or args.seq_step < 1 or args.max_seq < args.seq_step:
