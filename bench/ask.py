@@ -165,6 +165,11 @@ def _predicted_lines(a: Answer) -> list[str]:
     if p.get("device_peak_gib") is not None:
         lines.append(f"  whole device    {p['device_peak_gib']:8.2f} GiB  + {a.card.outside_torch_gib:.2f} GiB outside "
                      "torch (CUDA context), measured on this GPU kind")
+    paged_gib = _paged_state_gib(p, a.card)
+    if paged_gib:
+        lines.append(f"  paged state     {paged_gib:8.2f} GiB  a paged optimizer's state in CUDA managed memory, counted as "
+                     "resident on the card: bitsandbytes may page it out to host RAM to make room (slower steps, "
+                     "not predicted)")
     if p.get("least_card_gib") is not None:
         lines.append(f"  smallest card   {p['least_card_gib']:8.2f} GiB  on which the step still runs: the allocator "
                      "releasing its cache and retrying (each a device synchronisation) where a segment does not fit"
@@ -175,6 +180,15 @@ def _predicted_lines(a: Answer) -> list[str]:
         lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  offload's pinned copies and "
                      "worker processes")
     return lines
+
+
+def _paged_state_gib(p: dict[str, Any], card: gpus.GpuKind) -> float:
+    """CUDA managed memory in the prediction: the whole device's peak less peak reserved and what lives
+    outside torch (bench/predict/fake.py adds it there); 0 where none or not known."""
+    if p.get("device_peak_gib") is None or card.outside_torch_gib is None:
+        return 0.0
+    managed_gib = p["device_peak_gib"] - p["peak_reserved_gib"] - card.outside_torch_gib
+    return managed_gib if managed_gib > 0.005 else 0.0  # float noise of the sum is not paged state
 
 
 _AT_PEAK = (("weights", "at_peak_weights_gib"), ("gradients", "at_peak_gradients_gib"),

@@ -182,8 +182,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                 "allocator (a fit probe's budget, a memory fraction: with garbage_collection_threshold, "
                                 "collecting as torch does only under one); below device_peak_gib where retries make "
                                 "room, each a device synchronisation, GiB"),
-    ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch) without an "
-                     "allocator OOM; empty where the card or its context is not known"),
+    ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch - CUDA "
+                     "managed memory, as in least_card_gib) without an allocator OOM; empty where the card or its "
+                     "context is not known"),
     ("alloc_retries", "int", "PREDICTED times a new segment did not fit on the card and the allocator released its "
                              "cache to retry (measured: num_alloc_retries); each costs a device synchronisation. "
                              "With max_split_size, releasing only oversize blocks first is not a retry (as in torch)"),

@@ -131,6 +131,17 @@ def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judg
     assert _answer(unmeasured, peak_allocated_gib=30.0).verdict == "does not fit"  # live tensors alone exceed it
 
 
+def test_a_paged_optimizers_managed_state_is_said_apart_from_what_torch_reserves() -> None:
+    """device_peak_gib = peak reserved + what lives outside torch + CUDA managed memory: the last is a paged
+    optimizer's state, said on its own line (bitsandbytes may page it out); none for another stack."""
+    assert H100.outside_torch_gib is not None
+    row = {"peak_phase": "measure/backward", "peak_reserved_gib": 12.0, "predict_s": 1.0, "fits": True}
+    paged = ask.text(_answer(**row, device_peak_gib=12.0 + H100.outside_torch_gib + 3.25))
+    assert "paged state         3.25 GiB  a paged optimizer's state in CUDA managed memory" in paged
+    plain = ask.text(_answer(**row, device_peak_gib=12.0 + H100.outside_torch_gib))
+    assert "paged state" not in plain and "whole device" in plain
+
+
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--largest batch: the search's answer agrees with asking its two sides one by one (fits, then does

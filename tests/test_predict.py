@@ -15,9 +15,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from bench import segments, spec
+from bench import segments, spec, trainer
 from bench.cells import make_cell
-from bench.predict import fake, gpus, hybrid
+from bench.predict import bnb, fake, gpus, hybrid
 from bench.predict.counter import BLOCK_BYTES, MemoryCounter, Workspaces
 from bench.predict.pinned import PinnedHostCache, block_bytes
 from bench.stacks import parse_stack
@@ -101,7 +101,8 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
 
 
 @pytest.mark.parametrize("stack", ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum", "padding",
-                                   "packing", "eager_attention", "adamw(impl=foreach)", "qlora", "gc + qlora"])
+                                   "packing", "eager_attention", "adamw(impl=foreach)", "qlora", "gc + qlora",
+                                   "galore(rank=8)", "apollo(rank=8)", "apollo(rank=1, scale_type=tensor)"])
 def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
     """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
     (the real run's model is built on the CPU under the counter), the same roles at the peak."""
@@ -411,6 +412,25 @@ def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:
     assert found["at_peak_activations_gib"] > 0 and found["at_peak_temporaries_gib"] > 0
     # the peak falls in backward: both threads' cuBLAS workspaces (32 MiB each on an H100) exist
     assert found["peak_phase"] == "measure/backward" and found["at_peak_workspace_gib"] == 2 * 32 / 1024
+
+
+def test_a_paged_optimizer_fits_a_card_only_with_its_managed_state_resident() -> None:
+    """A paged optimizer's state is CUDA managed memory, outside torch's allocator: the whole device's peak
+    and the smallest card count it resident, and so does the verdict on a card: a card that holds what
+    torch reserves but not the paged state as well does not fit (it would page, at a cost not predicted)."""
+    cell = make_cell(SMOKE, "cuda", "qwen2.5-0.5b", 64, 1, parse_stack("paged_adamw8bit"))
+    h100 = gpus.get("h100")
+    ample = fake.fake_run(cell, h100)
+    assert h100.outside_torch_gib is not None
+    managed_gib = ample["device_peak_gib"] - ample["peak_reserved_gib"] - h100.outside_torch_gib
+    paged = sum(p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()
+                if p.numel() >= bnb.PAGED_MIN_NUMEL)
+    assert managed_gib == pytest.approx(2 * paged / 2**30, rel=1e-3)  # both 8-bit moments of the large parameters
+    margin_gib = 4 / 1024  # twice the smallest card's bisection step
+    for memory_gib, fits in ((ample["least_card_gib"] - margin_gib, False), (ample["least_card_gib"] + margin_gib, True)):
+        found = fake.fake_run(cell, dataclasses.replace(h100, memory_gib=memory_gib))
+        assert found["fits"] is fits
+    assert ample["least_card_gib"] - margin_gib > ample["peak_reserved_gib"] + h100.outside_torch_gib  # torch alone fits
 
 
 @pytest.mark.slow
@@ -773,6 +793,52 @@ def test_flash_attention_backward_counts_the_scratch_of_its_cuda_kernel(kv_heads
     outputs = [r for r in counter.records if r.op == attention.FLASH_BACKWARD_OP]
     assert len(outputs) == 3 and max(r.made for r in outputs) < min(r.made for r in scratch)  # after dQ, dK, dV
     assert all(r.freed is not None and r.freed < min(o.freed or counter.events for o in outputs) for r in scratch)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (3, 40, 50)])
+def test_the_svd_counts_the_scratch_of_its_cuda_kernel(shape: tuple[int, ...]) -> None:
+    """torch.linalg.svd (GaLore's projection): the fake kernel allocates U, S and Vh; CUDA's then
+    allocates an int32 status per matrix and a column-major copy of the input, freed as it returns."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import lowrank
+
+    with FakeTensorMode(), MemoryCounter(kernel_scratch=lowrank.svd_scratch) as counter:
+        matrix = torch.empty(shape)
+        u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    outputs = [r for r in counter.records if r.op == lowrank.SVD_OP]
+    scratch = [r for r in counter.records if r.op.endswith("(scratch)")]
+    matrices = 1 if len(shape) == 2 else shape[0]
+    in_blocks = [BLOCK_BYTES * -(-nbytes // BLOCK_BYTES) for nbytes in (4 * matrices, 4 * matrix.numel())]
+    assert [r.nbytes for r in scratch] == in_blocks  # info, then the fp32 copy of the input
+    assert len(outputs) == 3 and max(r.made for r in outputs) < min(r.made for r in scratch)
+    assert all(r.freed is not None for r in scratch) and all(r.freed is None for r in outputs)
+    del u, s, vh
+
+
+@pytest.mark.parametrize("stack", ["galore(rank=8)", "apollo(rank=8)"])
+def test_a_low_rank_optimizer_keeps_its_moments_at_rank_r(stack: str) -> None:
+    """GaLore and APOLLO predicted: each decoder weight (rows x cols) keeps its two moments at rank r
+    along its larger side, and its projection (r x the smaller side), in the weight's dtype; the
+    embedding, output layer and norms keep AdamW's two full moments. Worked out from tiny-llama's shapes."""
+    import torch
+
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
+    found = fake.predict_cell(cell, gpus.get("h100"))
+    assert found["status"] == "ok", found
+    rank = 8
+    model = trainer.build_model(cell, device="meta").model
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vocab = max(max(p.shape) for p in matrices)
+    expected = 0
+    for p in model.parameters():
+        if p.dim() == 2 and vocab not in p.shape:
+            expected += (rank * (2 * max(p.shape) + min(p.shape)) + stack.startswith("apollo")) * p.element_size()
+        else:
+            expected += 2 * p.numel() * p.element_size()
+    assert p.dtype == torch.bfloat16
+    assert found["optimizer_state_gib"] == pytest.approx(expected / 2**30, rel=1e-9)
 
 
 def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, save
+from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, lowrank, save
 from .counter import KernelScratch, MemoryCounter, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -168,10 +168,13 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
     state = allocator.replay(events, samples=at_steps, settings=settings)
     unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
+    # CUDA managed memory (a paged optimizer's state) counted resident at its peak, on the card as in the
+    # smallest card: bitsandbytes may page it out to make room, at a cost this prediction does not know
+    managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:  # the whole card: no memory fraction
-        bounded = allocator.replay(events, int((gpu.memory_gib - gpu.outside_torch_gib) * measure.GIB), at_steps,
-                                   settings)
+        torch_gib = max(0.0, gpu.memory_gib - gpu.outside_torch_gib - managed_gib)
+        bounded = allocator.replay(events, int(torch_gib * measure.GIB), at_steps, settings)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
             state = bounded
@@ -179,8 +182,7 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
     out["peak_reserved_gib"] = state.peak_reserved_bytes / measure.GIB
     if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
         out["segments_json"] = segments.to_json(state.held_segments())
-    if gpu.outside_torch_gib is not None:  # + CUDA managed memory (paged optimizer state), resident at its peak
-        managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
+    if gpu.outside_torch_gib is not None:
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
         least = allocator.least_capacity(events, unbounded_bytes, settings)
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
@@ -214,8 +216,9 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
 
 def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
-    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, flash attention's backward)."""
-    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.flash_backward_scratch)
+    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, flash attention's backward,
+    cuSOLVER's SVD)."""
+    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.flash_backward_scratch, lowrank.svd_scratch)
     return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
 
 
@@ -229,7 +232,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
 
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
-        with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), counter:
+        with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), \
+                lowrank.predicting(cell.stack.names), counter:  # the branches the fake run takes, to compare like with like
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 if tensor.is_meta:  # deferred (FSDP2): made when the engine has sharded them
@@ -242,7 +246,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
-            _ddp(cell), fsdp_offload.predicting(cell, counter), FakeTensorMode() as mode, counter:
+            _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
+            FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),

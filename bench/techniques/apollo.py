@@ -33,7 +33,6 @@ TECHNIQUE = Technique(
     choices={"scale_type": ("channel", "tensor")},
     ranges={"rank": "[1, inf)", "update_proj_gap": "[1, inf)", "scale": "(0, inf)"},
     packages=("apollo_torch",),
-    not_predicted="its scaling step reads tensor values (data-dependent on fake tensors)",
     conflicts=("zero2", "zero3", "fsdp", "lora", "dora", "qlora", "int8_lora"),  # full-parameter, plain engine
     make_optimizer=make,
 )

@@ -34,7 +34,6 @@ TECHNIQUE = Technique(
     options={"rank": 128, "update_proj_gap": 200, "scale": 0.25},
     ranges={"rank": "[1, inf)", "update_proj_gap": "[1, inf)", "scale": "(0, inf)"},
     packages=("galore_torch",),
-    not_predicted="its projection step reads tensor values (data-dependent on fake tensors)",
     conflicts=("zero2", "zero3", "fsdp", "lora", "dora", "qlora", "int8_lora"),  # full-parameter, plain engine
     make_optimizer=make,
 )
