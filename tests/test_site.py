@@ -200,9 +200,14 @@ def test_predicted_cells_that_fit_are_marked_with_the_predictors_error(loaded) -
     tab.get_by_role("button", name="80 GiB").click()
     titles = tab.eval_on_selector_all(".fit-row.predicted .badge.predicted", "bs => bs.map(b => b.title)")
     assert titles
-    # the fake run's measured error, or, for a method no measurement has checked yet, that it is unchecked
-    checked = [t for t in titles if re.search(r"error .*\d+\.\d+%", t)]
+    # the fake run's measured error, or, for a method or a stack no measurement has checked yet, that it is unchecked
+    checked = [t for t in titles if re.match(r"predicted; error .*\d+\.\d+%", t)]
     assert checked and all(t in checked or re.search(r"no measured .* checks it yet", t) for t in titles)
+    stacks = tab.eval_on_selector_all(".fit-row.predicted", "rows => rows.map(r => r.cells[0].textContent)")
+    measured_stacks = tab.evaluate("DATA.predictor.stacks")
+    for stack, title in zip(stacks, titles, strict=True):
+        checked_here = title.startswith("predicted; error over") or "this cell measured" in title
+        assert (stack in measured_stacks) == checked_here, (stack, title)
 
 
 @pytest.mark.browser

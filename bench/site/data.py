@@ -49,7 +49,8 @@ UNITS = (("_gib", "GiB"), ("_ms_p10", "ms"), ("_ms_p50", "ms"), ("_ms_p90", "ms"
 class SiteData:
     cells: list[dict[str, Any]]
     columns: dict[str, dict[str, str]]  # name -> unit, definition (measured and predicted definitions)
-    predictor: dict[str, Any]  # the one-rank fake run's measured error (peak reserved) over the cells measured too
+    predictor: dict[str, Any]  # the one-rank fake run's measured error (peak reserved) over the cells measured too,
+    # and the stacks those cells have (a prediction of another stack is checked only through its techniques)
     sources: list[str] = field(default_factory=list)  # parquet files read, relative to the results dir
 
 
@@ -155,14 +156,15 @@ def _prediction_errors(results_dir: Path) -> tuple[dict[tuple[str, str], float],
     summary of the one-rank fake run's errors (the other methods say on each cell that they are
     unchecked until a measurement checks them)."""
     both = predict_report.checked(results_dir)
-    errors, one_rank = {}, []
+    errors, one_rank, stacks = {}, [], set()
     for row in both.to_dict("records"):
         if row.get("reserved_error_frac") is None or pd.isna(row["reserved_error_frac"]):
             continue
         errors[(row["cell_id"], str(row["gpu_name"]))] = float(row["reserved_error_frac"])
         if str(row["prediction_method"]).startswith("fake-run") and row["gpus"] == 1:
             one_rank.append(abs(float(row["reserved_error_frac"])))
+            stacks.add(str(row["stack"]))
     if not one_rank:
-        return errors, {"cells": 0}
+        return errors, {"cells": 0, "stacks": []}
     return errors, {"cells": len(one_rank), "median_abs_error": float(pd.Series(one_rank).median()),
-                    "max_abs_error": max(one_rank), "peak": "reserved"}
+                    "max_abs_error": max(one_rank), "peak": "reserved", "stacks": sorted(stacks)}

@@ -88,8 +88,12 @@ function predictorNote(cell) {
   if (cell.gpus > 1) return `predicted on a fake process group (${cell.gpus} ranks); no measured multi-GPU cell checks it yet`;
   const p = DATA.predictor;
   if (!p.cells) return "predicted; not yet checked against a measurement";
-  return `predicted; error over ${p.cells} measured cells: median ${(100 * p.median_abs_error).toFixed(2)}%, ` +
-    `max ${(100 * p.max_abs_error).toFixed(2)}%`;
+  const overall = `median ${(100 * p.median_abs_error).toFixed(2)}%, max ${(100 * p.max_abs_error).toFixed(2)}%`;
+  if (cell.stack !== undefined && !p.stacks.includes(cell.stack)) {
+    return `predicted; no measured cell of this stack checks it yet (error over ${p.cells} measured cells of ` +
+      `other stacks: ${overall})`;
+  }
+  return `predicted; error over ${p.cells} measured cells: ${overall}`;
 }
 
 function fitsFor(cells) {
