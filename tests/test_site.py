@@ -224,6 +224,19 @@ def test_an_offload_cell_predicted_to_overflow_its_host_never_fits(loaded) -> No
 
 
 @pytest.mark.browser
+def test_a_garbage_collection_threshold_stacks_need_is_marked_as_holding_under_a_memory_fraction(loaded) -> None:
+    tab, _ = loaded
+    tab.select_option("#filter-model", "llama-3.1-8b")
+    tab.get_by_role("button", name="80 GiB").click()
+    marked = tab.eval_on_selector_all(".fit-row td.fraction-only", "tds => tds.map(t => [t.parentElement.cells[0]"
+                                      ".textContent, t.textContent, t.title])")
+    shown = tab.eval_on_selector_all(".fit-row.predicted", "rows => rows.map(r => r.cells[0].textContent)")
+    with_threshold = [stack for stack in shown if "garbage_collection_threshold" in stack]
+    assert with_threshold and [stack for stack, _, _ in marked] == with_threshold  # the staircase's prediction
+    assert all(text.endswith("*") and "memory fraction" in title for _, text, title in marked)
+
+
+@pytest.mark.browser
 def test_a_filter_narrows_every_view(loaded) -> None:
     tab, _ = loaded
     tab.select_option("#filter-source", "predicted")

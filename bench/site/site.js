@@ -96,6 +96,18 @@ function predictorNote(cell) {
   return `predicted; error over ${p.cells} measured cells: ${overall}`;
 }
 
+// The garbage collection threshold acts only under a memory fraction (torch.cuda.set_per_process_memory_fraction),
+// so a prediction's smallest card for its stacks holds only where the training script sets one too.
+const FRACTION_ONLY = "the smallest card the step runs on, with the garbage collection threshold collecting as it does " +
+  "only under a memory fraction (torch.cuda.set_per_process_memory_fraction): without one it does nothing";
+
+function needCell(c) {
+  if (c.source !== "predicted" || !c.techniques.includes("garbage_collection_threshold")) {
+    return el("td", {}, gib(c.need_gib));
+  }
+  return el("td", { class: "fraction-only", title: FRACTION_ONLY }, gib(c.need_gib) + "*");
+}
+
 function fitsFor(cells) {
   // Per stack: the measured cell that fits with the most tokens/s, else the predicted one with the largest batch.
   const best = [];
@@ -131,7 +143,7 @@ function renderFits() {
           class: "clickable fit-row" + (c.source === "predicted" ? " predicted" : ""), "data-key": c.key,
           onclick: () => showDetail(c),
         },
-        el("td", {}, c.stack), el("td", {}, c.batch_size), el("td", {}, gib(c.need_gib)),
+        el("td", {}, c.stack), el("td", {}, c.batch_size), needCell(c),
         el("td", {}, tps(c.tokens_per_s)),
         el("td", {}, c === fastest ? el("span", { class: "badge fastest" }, "fastest") : null,
           c.source === "predicted" ? el("span", { class: "badge predicted", title: predictorNote(c) }, "predicted")
