@@ -203,6 +203,22 @@ def test_deepspeed_zero_on_cpu_with_gloo(workdir: Path) -> None:
     assert rows["offload(params=True) + zero3"]["skip_reason"] == "offload needs CUDA (this cell runs on cpu)"
 
 
+def test_where_zero3_keeps_the_parameters_is_read_from_deepspeeds_own_config() -> None:
+    """The evidence's offload_param, from DeepSpeed's offload config as the installed release makes it (a
+    str in 0.19.8: `.value` on it raised at wrap, on the GPU only, where offload cells run), and from the
+    enum member an older release holds."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum
+
+    from bench.engines import deepspeed
+
+    assert deepspeed.offload_device(DeepSpeedZeroOffloadParamConfig(device="cpu")) == "cpu"
+    assert deepspeed.offload_device(DeepSpeedZeroOffloadParamConfig()) == "none"
+    assert deepspeed.offload_device(None) == "none"
+    older = DeepSpeedZeroOffloadParamConfig.model_construct(device=OffloadDeviceEnum.nvme)  # no validation: the member
+    assert deepspeed.offload_device(older) == "nvme"
+
+
 QUANTIZED = """
 matrices:
   q:

@@ -69,12 +69,21 @@ def wrap(job: EngineJob) -> tuple[DeepSpeedEngine, Evidence]:
     evidence = {
         "zero_stage": engine.zero_optimization_stage(),
         "offload_optimizer": "cpu" if engine.zero_cpu_offload() else "none",
-        "offload_param": str(offload_param.device.value) if offload_param is not None else "none",
+        "offload_param": offload_device(offload_param),
         "ds_world_size": torch.distributed.get_world_size(),
         "ds_optimizer": f"{type(optimizer).__name__}({type(getattr(optimizer, 'optimizer', None)).__name__})",
         "ds_init": "deferred" if job.deferred is not None else "whole model first",
     }
     return DeepSpeedEngine(engine, optimizer), evidence
+
+
+def offload_device(offload_param: Any) -> str:
+    """Where ZeRO-3 keeps the parameters: "none", "cpu" or "nvme". DeepSpeed's config holds the enum's value,
+    a str, where its pydantic models keep enum values (0.19.8 does), else the enum member."""
+    if offload_param is None:
+        return "none"
+    device = offload_param.device
+    return str(getattr(device, "value", device))
 
 
 def _partition_deferred(job: EngineJob, ds_config: dict[str, Any]) -> None:
