@@ -245,10 +245,12 @@ def test_a_zero_cell_is_deepspeeds_model_states_plus_the_fake_runs_other_bytes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["zero2", "zero3"])
+@pytest.mark.parametrize("stack", ["zero2", "zero3", "offload + zero2", "gc + offload(params=true) + zero3"])
 def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     """Two real steps on the CPU (tests/zero_bucket.py): the largest allocation DeepSpeed makes is its
-    reduce bucket, whole although the model has far fewer parameters, and the hybrid counts that."""
+    reduce bucket, whole although the model has far fewer parameters, and the hybrid counts that. The
+    offload stacks too: a run does not plan them on a CPU (nothing to measure), but their engine's code
+    runs here, so a DeepSpeed release that breaks it shows in CI, not in a GPU window."""
     pytest.importorskip("deepspeed")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "zero_bucket.py"), stack], capture_output=True,
                           text=True, timeout=300)
