@@ -4,9 +4,10 @@
 
 For each stack, in processes of their own (DeepSpeed's state is global), one per rank of a gloo group:
 DeepSpeed trains the cell three steps on real CPU tensors under the predictor's MemoryCounter (every
-allocation, 512 B blocks), the most of any rank taken; and the hybrid (bench/predict/hybrid.py) assembles the same cell from DeepSpeed's estimator,
-its bucket and the fake run of the cell without its engine, with neither side counting a GPU's cuBLAS
-workspaces or kernel scratch. Offload stacks are not compared: on a CPU the "host" is the device.
+allocation, 512 B blocks), the most of any rank taken; and the hybrid (bench/predict/hybrid.py)
+assembles the same cell from its model states phase by phase, its bucket and the fake run of the cell
+without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch. Offload
+stacks are not compared: on a CPU the "host" is the device.
 A model is a registry name or a config.json.
 """
 
@@ -32,17 +33,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--stacks", default="zero2,zero3", help="comma list of ZeRO stacks without offload")
     parser.add_argument("--ranks", type=int, default=1, help="gloo ranks, one process each (default 1)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per stack instead of the table")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
         print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks)))
         return
-    print(f"{args.model}, seq {args.seq}, batch {args.batch}, {args.ranks} rank(s) on this CPU; peak allocated, GiB")
-    print("| stack | DeepSpeed | hybrid | error | DeepSpeed less its bucket | hybrid less its bucket | error |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.json:
+        print(f"{args.model}, seq {args.seq}, batch {args.batch}, {args.ranks} rank(s) on this CPU; peak allocated, GiB")
+        print("| stack | DeepSpeed | hybrid | error | DeepSpeed less its bucket | hybrid less its bucket | error |")
+        print("|---|---|---|---|---|---|---|")
     for stack in args.stacks.split(","):
         rows = _ranks(args, stack)
         real, hybrid, bucket = max(r["real_bytes"] for r in rows), rows[0]["hybrid_bytes"], rows[0]["bucket_bytes"]
+        if args.json:
+            print(json.dumps({"stack": stack, "ranks": args.ranks, "real_bytes": real, "hybrid_bytes": hybrid,
+                              "bucket_bytes": bucket}))
+            continue
         print(f"| `{stack}` | {real / GIB:.3f} | {hybrid / GIB:.3f} | {hybrid / real - 1:+.1%} | "
               f"{(real - bucket) / GIB:.3f} | {(hybrid - bucket) / GIB:.3f} | {(hybrid - bucket) / (real - bucket) - 1:+.1%} |")
 
@@ -87,14 +94,12 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int) -> dict[s
         for index, step_batch in enumerate(job.batches()[:3]):
             job.step(step_batch, counter, f"step{index}")
     steps, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())  # the plain engine: one rank
-    meta = trainer.build_model(cell, device="meta").model
-    states = hybrid.model_states(cell, sum(p.numel() for p in meta.parameters()), hybrid.largest_layer_params(meta))
     cpu = GpuKind("cpu", "this CPU", (0, 0))  # no cuBLAS workspaces, no context: like for like
-    predicted = hybrid.hybrid_columns(cell, steps.peak_of_roles_except(hybrid.MODEL_STATE_ROLES), 0.0, states, cpu,
-                                      hybrid.Build.of(meta, cell))
+    predicted = hybrid.assembled(cell, steps, 0.0, cpu)
     return {"real_bytes": counter.peak.nbytes, "real_where": counter.peak.where,
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
-            "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": states.bucket_bytes}
+            "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
+            "hybrid_where": predicted["peak_phase"]}
 
 
 if __name__ == "__main__":

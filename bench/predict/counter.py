@@ -434,9 +434,10 @@ class MemoryCounter(TorchDispatchMode):
     def alive_at(self, event: int) -> list[Record]:
         return [r for r in self.records if r.made <= event and (r.freed is None or r.freed > event)]
 
-    def peak_of_roles_except(self, roles: tuple[str, ...]) -> Peak:
+    def peak_of_roles_except(self, roles: tuple[str, ...], phases: tuple[str, ...] | None = None) -> Peak:
         """The most bytes ever alive at once among records of the other roles, and the allocation that
-        made it (at each event, frees before allocations, as the live total counts them)."""
+        made it (at each event, frees before allocations, as the live total counts them); with `phases`
+        (e.g. ("forward", "backward")), the most at an allocation made in a phase of those names."""
         deltas = []
         for r in self.records:
             if (r.role or "temporary") not in roles and r.made >= 0:
@@ -446,7 +447,8 @@ class MemoryCounter(TorchDispatchMode):
         live, peak = 0, Peak()
         for event, delta, where, op in sorted(deltas):
             live += delta
-            if live > peak.nbytes:
+            in_phases = phases is None or where.rsplit("/", 1)[-1] in phases
+            if live > peak.nbytes and delta > 0 and in_phases:
                 peak = Peak(live, event, where, op)
         return peak
 

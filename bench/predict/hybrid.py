@@ -1,42 +1,50 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/2: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/3: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
 
-- **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU and on the
-  host, from DeepSpeed's own accounting: `estimate_zero2_model_states_mem_needs` and
-  `estimate_zero3_model_states_mem_needs`, fed the cell's parameter count, largest layer, ranks and
-  offload choices. Host RAM is DeepSpeed's figure with its default `additional_buffer_factor` (1.5,
-  DeepSpeed's allowance for pinned buffers and copies), plus one worker process per rank;
+- **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU, phase by
+  phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
+  optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
+  Offload stacks, which a CPU cannot check (its host is the device), keep DeepSpeed's own accounting
+  throughout: `estimate_zero2_model_states_mem_needs` and `estimate_zero3_model_states_mem_needs`,
+  fed the cell's parameter count, largest layer, ranks and offload choices. Host RAM is DeepSpeed's
+  figure with its default `additional_buffer_factor` (1.5, DeepSpeed's allowance for pinned buffers
+  and copies), plus one worker process per rank. The estimator's GPU figure stays in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
-  engine techniques taken out (zero2/zero3/offload), the most of them alive at once: DeepSpeed
-  trains the bf16 model the same way, so what forward and backward allocate besides the model
-  states is the same;
+  engine techniques taken out (zero2/zero3/offload), the most of them alive at once in forward and
+  backward: DeepSpeed trains the bf16 model the same way, so what forward and backward allocate
+  besides the model states is the same. In the step, only what it keeps between steps;
 - plus the **gradient reduction bucket** DeepSpeed allocates on the GPU (`reduce_bucket_size`
-  elements of 16-bit gradients, the configured or default size).
+  elements of 16-bit gradients, the configured or default size): ZeRO-2 for each backward, ZeRO-3
+  from initialize on.
 
-Peak reserved adds the fake run's own reserved-minus-allocated (the allocator's caching) to the
-hybrid allocated figure. And the build (`Build`): where it holds more than training, the peak is the
-build's (ZeRO-3 builds on meta and partitions one parameter at a time, so it never does). All of it
-is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md reports its error as soon as
-they are.
+Peak allocated is the more of training and the step (`hybrid_columns`). Peak reserved adds the fake
+run's own reserved-minus-allocated (the allocator's caching). And the build (`Build`): where it holds
+more, the peak is the build's (ZeRO-3 builds on meta and partitions one parameter at a time, so it
+never does). All of it is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md reports
+its error as soon as they are.
 
-Checked against DeepSpeed's real engine on a CPU (`tools/hybrid_check.py`: one gloo rank, three steps
-under the same counter, no GPU workspaces on either side; DeepSpeed 0.19.8, torch 2.13.0+cpu), peak
-allocated is off both ways, and by more than the fake run's 1%:
+Checked against DeepSpeed's real engine on a CPU (`tools/hybrid_check.py`: one or two gloo ranks, three
+steps under the same counter, no GPU workspaces on either side; DeepSpeed 0.19.8, torch 2.13.0+cpu),
+peak allocated, hybrid/3 (hybrid/2 in brackets):
 
-- Qwen2.5-0.5B, seq 256, batch 2: ZeRO-2 10.12 GiB measured, 11.66 predicted (+15.2%); ZeRO-3 11.97
-  measured, 11.25 predicted (-6.0%).
-- A 62M-parameter Llama (hidden 1024, 4 layers), same cell: ZeRO-2 +19.7%, ZeRO-3 -7.8%.
+- a 62M-parameter Llama (hidden 1024, 4 layers), seq 256, batch 2: one rank ZeRO-2 +7.3% (+19.7%), ZeRO-3
+  +0.0% (-7.8%); two ranks ZeRO-2 +5.1% (+12.8%), ZeRO-3 -2.4% (-4.0%);
+- Qwen2.5-0.5B, the same cell, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
+  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%). Its 494M parameters fill
+  less than one 500M-element bucket, so ZeRO-2's gradient partition appears only as backward ends.
 
-Why: the estimator gives each stage's model states at their most (ZeRO-2: 20 B/param, counting both
-16-bit gradients and the fp32 gradient partition), and the hybrid adds them to the activations' peak.
-But the fp32 gradients exist only in the optimizer step, when the activations are gone (ZeRO-2 on the
-62M Llama: 14 B/param alive after a step, 16 at the end of backward, where its peak is, bucket aside).
-And the step makes what the estimator leaves out: ZeRO-3's fp32 gradient partition and AdamW's
-temporary beside all the states (its peak, in the step: 24 B/param on one rank, bucket aside, against
-the estimator's 18 plus the largest layer). A model of the states phase by phase, checked the same way
-on one and two ranks, is the next step.
+hybrid/2 added the estimator's states at their most (ZeRO-2: 20 B/param, counting both 16-bit gradients
+and the fp32 gradient partition) to the activations' peak. But the fp32 gradients exist only in the
+step, when the activations are gone (ZeRO-2 on the 62M Llama: 14 B/param alive after a step, 16 at the
+end of backward, where its peak is, bucket aside). And the step makes what the estimator leaves out:
+ZeRO-3's fp32 gradient partition and AdamW's temporary beside all the states (its peak, in the step:
+24 B/param on one rank, bucket aside, against the estimator's 18 plus the largest layer). What hybrid/3
+still misses: ZeRO-2's 16-bit gradient partition fills as backward frees the activations, yet both are
+counted at their most (the over-estimate above); and ZeRO-3 on several ranks gathers weights for forward
+and backward, counted as up to `stage3_max_live_parameters` alive (checked only below that many
+parameters: the 62M Llama keeps all of them gathered).
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ from . import allocator, save
 from .counter import BLOCK_BYTES, MemoryCounter, Peak
 from .gpus import GpuKind
 
-METHOD = "hybrid/2"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run)
+METHOD = "hybrid/3"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+# 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -61,11 +70,16 @@ DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' default additional_buff
 
 @dataclass(frozen=True)
 class ModelStates:
-    """DeepSpeed's accounting of one cell's model states, bytes."""
+    """One cell's model states, bytes: per GPU phase by phase (`phased`), DeepSpeed's estimator's figure
+    for its stage, and the host's."""
 
-    gpu_bytes: int  # per GPU
+    gpu_bytes: int  # per GPU, DeepSpeed's estimator: the stage's states at their most (model_states_gib)
     host_bytes: int  # the host's, all ranks of the cell together
     bucket_bytes: int  # the gradient reduction bucket, per GPU
+    training_bytes: int  # per GPU, alive through forward and backward, besides the bucket
+    step_bytes: int  # per GPU, at the optimizer step's peak
+    after_step_bytes: int  # per GPU, alive between steps
+    bucket_in_step: bool  # ZeRO-3 holds its bucket from initialize on; ZeRO-2 makes it for each backward
 
 
 @dataclass(frozen=True)
@@ -166,8 +180,30 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> Mo
             additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
     # The suite sets no bucket size: DeepSpeed's default, allocated whole in 16 bits whatever the model's
     # size (ZeRO-3 at initialize, ZeRO-2 at each backward; tests/zero_bucket.py sees it on the CPU)
-    bucket_elements = int(DeepSpeedZeroConfig().reduce_bucket_size)
-    return ModelStates(int(gpu), int(host), bucket_elements * 2)
+    defaults = DeepSpeedZeroConfig()
+    bucket = int(defaults.reduce_bucket_size) * 2
+    if optimizer_offload or params_offload:  # DeepSpeed's figure throughout: not checked on a CPU, whose host is the device
+        return ModelStates(int(gpu), int(host), bucket, int(gpu), int(gpu), int(gpu), bucket_in_step=True)
+    training, step, after = phased(cell, total_params, int(defaults.max_live_parameters))
+    return ModelStates(int(gpu), int(host), bucket, training, step, after, bucket_in_step="zero3" in uses)
+
+
+def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int, int, int]:
+    """(training, step, after step) bytes per GPU of a ZeRO stage without offload, bf16 with fp32 master
+    weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
+    of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
+    adds its fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole
+    (2 B/param) and, from backward to the step, the 16-bit gradient partition (2 B each). ZeRO-3 keeps
+    both 16-bit partitions throughout (4 B each) and, on several ranks, gathers the weights whole for
+    forward and backward: up to DeepSpeed's `stage3_max_live_parameters` of them alive at once."""
+    params, ranks = total_params, cell.gpus
+    partition = -(-params // ranks)
+    if "zero3" in cell.stack.names:
+        after = 16 * partition
+        gathered = 0 if ranks == 1 else 2 * min(params, max_live_parameters)
+        return after + gathered, after + 8 * partition, after
+    after = 2 * params + 12 * partition
+    return after + 2 * partition, after + 8 * partition, after
 
 
 def largest_layer_params(model: Any) -> int:
@@ -176,18 +212,31 @@ def largest_layer_params(model: Any) -> int:
 
 
 MODEL_STATE_ROLES = ("weight", "gradient", "optimizer_state")  # what DeepSpeed's accounting replaces
+# The fake run's phases whose other bytes (activations) meet the training states: its optimizer phase is
+# the plain AdamW's, whose temporaries DeepSpeed's step replaces with its own (`phased`).
+TRAINING_PHASES = ("forward", "backward")
 
 
-def hybrid_columns(cell: Cell, rest: Peak, caching_gib: float, states: ModelStates, gpu: GpuKind,
+def kept_between_steps(counter: MemoryCounter) -> int:
+    """Bytes the fake run still holds after its last step besides the model states (the batch, workspaces)."""
+    return sum(r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role not in MODEL_STATE_ROLES)
+
+
+def hybrid_columns(cell: Cell, rest: Peak, kept_bytes: int, caching_gib: float, states: ModelStates, gpu: GpuKind,
                    build: Build | None = None) -> dict[str, Any]:
-    """The hybrid figures: DeepSpeed's model states and bucket, plus the peak of everything else the
-    fake run allocated (activations, temporaries, the batches, workspaces), plus its caching; or the
-    build's, where it holds more (`Build`)."""
-    allocated = (states.gpu_bytes + states.bucket_bytes + rest.nbytes) / measure.GIB
+    """The hybrid figures: the more of two moments, plus the fake run's caching. In forward and backward:
+    the model states of training and the bucket, plus the peak of everything else the fake run allocated
+    there (`rest`: activations, temporaries, the batches, workspaces). In the optimizer step: the step's
+    model states (and ZeRO-3's bucket), plus what the fake run keeps between steps (`kept_bytes`: the
+    batch, workspaces). Or the build's, where it holds more (`Build`)."""
+    training = states.training_bytes + states.bucket_bytes + rest.nbytes
+    step = states.step_bytes + (states.bucket_bytes if states.bucket_in_step else 0) + kept_bytes
+    allocated = max(training, step) / measure.GIB
+    stage = rest.where.rsplit("/", 1)[0] if "/" in rest.where else "measure"
     out: dict[str, Any] = {
         "prediction_method": METHOD,
-        "peak_phase": rest.where,  # where the bytes besides the model states peak (those are there throughout)
-        "peak_op": rest.op,
+        "peak_phase": rest.where if training >= step else f"{stage}/optimizer",
+        "peak_op": rest.op if training >= step else None,
         "peak_allocated_gib": allocated,
         "peak_reserved_gib": allocated + caching_gib,
         "model_states_gib": states.gpu_bytes / measure.GIB,
@@ -211,16 +260,21 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
     steps = activation_cell(cell)
     counter, built, _ = fake.counted_for(steps, gpu)
-    rest = counter.peak_of_roles_except(MODEL_STATE_ROLES)
     replayed = fake.reserved_columns(steps, counter, gpu)
     caching_gib = (replayed.get("peak_reserved_gib") or 0.0) - counter.peak.nbytes / measure.GIB
+    return {**assembled(cell, counter, max(caching_gib, 0.0), gpu), "flops_per_token": built.flops_per_token}
+
+
+def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKind) -> dict[str, Any]:
+    """The hybrid's columns from the fake run of the cell without its engine (`counter`): DeepSpeed's
+    model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's."""
     meta = trainer.build_model(cell, device="meta").model
     total = sum(p.numel() for p in meta.parameters())
     states = model_states(cell, total, largest_layer_params(meta))
-    out = hybrid_columns(cell, rest, max(caching_gib, 0.0), states, gpu, Build.of(meta, cell))
+    rest = counter.peak_of_roles_except(MODEL_STATE_ROLES, phases=TRAINING_PHASES)
+    out = hybrid_columns(cell, rest, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, [p.numel() for p in meta.parameters()], out),
-            "total_params": total, "trainable_params": total, "flops_per_token": built.flops_per_token,
-            "allocations": len(counter.records)}
+            "total_params": total, "trainable_params": total, "allocations": len(counter.records)}
 
 
 def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[int], out: dict[str, Any]) -> dict[str, Any]:
@@ -229,7 +283,7 @@ def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[
     keeps what training reserved; the host holds what training keeps there plus the save's copies."""
     if cell.checkpoint == "none":
         return {}
-    kept = sum(r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role not in MODEL_STATE_ROLES)
-    after_step_gib = (states.gpu_bytes + states.bucket_bytes + kept) / measure.GIB
+    bucket = states.bucket_bytes if states.bucket_in_step else 0
+    after_step_gib = (states.after_step_bytes + bucket + kept_between_steps(counter)) / measure.GIB
     host_gib = out.get("host_peak_gib", cell.gpus * WORKER_PROCESS_GIB)
     return save.columns(save.zero_host_copy_bytes(cell, params), after_step_gib, out["peak_reserved_gib"], host_gib)
