@@ -20,7 +20,7 @@ CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autoc
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
 kernels allocate inside their op (flash attention's backward: bench/predict/attention.py;
-bitsandbytes' 4-bit matmul: bench/predict/bnb.py).
+bitsandbytes' 4-bit matmul: bench/predict/bnb.py; cuSOLVER's SVD, GaLore's: bench/predict/lowrank.py).
 
 Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
 process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
