@@ -16,11 +16,11 @@ steps on real CPU tensors: tests/test_predict.py). Except:
   the one that allocates the most.
 - GaLore renews its projection with `torch.linalg.svd` of the fp32 gradient (the first step, then
   every `update_proj_gap` steps). The fake kernel allocates U, S and Vh; CUDA's (cuSOLVER's gesvdj,
-  `svd_cusolver` in aten/src/ATen/native/cuda/linalg/BatchLinearAlgebraLib.cpp, the same in torch
-  2.9 to 2.13) also allocates, after them and freed as the op returns, an int32 `info` per matrix
-  and a column-major copy of the input, which cuSOLVER overwrites (`svd_scratch`). It then takes a
-  workspace of cuSOLVER's choosing (gesvdj_bufferSize), which is not counted: its size is known
-  only to the library, on a GPU.
+  `svd_cusolver` in aten/src/ATen/native/cuda/linalg/BatchLinearAlgebraLib.cpp, read in one recent
+  release; a GPU test checks the torch a GPU runs) also allocates, after them and freed as the op
+  returns, an int32 `info` per matrix and a column-major copy of the input, which cuSOLVER overwrites
+  (`svd_scratch`). It then takes a workspace of cuSOLVER's choosing (gesvdj_bufferSize), which is not
+  counted: its size is known only to the library, on a GPU.
 
 Where the peak lies: the optimizer phase's peak is set by the full AdamW step of the embedding and
 output layer (their `exp_avg_sq.sqrt()` temporary), not by a projection's renewal: on
