@@ -53,7 +53,7 @@ class Cell:
             "model": models.get(self.model).config_json,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
-            "stack": [[u.name, list(map(list, u.options))] for u in self.stack.uses],
+            "stack": [[u.name, [[k, v] for k, v in u.options if not _added_at_default(u, k, v)]] for u in self.stack.uses],
             "device": self.device,
             "steps": [self.warmup_steps, self.measure_steps],
             "seed": self.seed,
@@ -196,6 +196,11 @@ class Shard:
 
 def _group_digest(group: Group) -> str:
     return hashlib.sha1(json.dumps([str(v) for v in group]).encode()).hexdigest()
+
+
+def _added_at_default(use: Use, key: str, value: Any) -> bool:
+    """An option added after the technique's cells were published, at its default: not in the cell id."""
+    return key in use.technique.added_options and value == use.technique.options[key]
 
 
 def plan(matrix: MatrixSpec, host: HostCaps, repeats: int | None = None) -> list[PlannedCell]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from bench import cells, cli, spec
+from bench import cells, cli, spec, stacks
 from bench.envinfo import OPTIONAL_PACKAGES, HostCaps
 from conftest import write_matrix
 
@@ -21,6 +22,18 @@ def test_cell_ids_are_pinned() -> None:
     assert smoke[0].cell_id == "tiny-llama_s256_b1_baseline_214f1a91"
     assert smoke[-1].cell_id == "tiny-mistral_s256_b4_gc+lora_418ed928"
     assert len({c.cell_id for c in smoke}) == len(smoke) == 3 * 2 * 5
+
+
+def test_an_option_added_later_keeps_published_ids_at_its_default() -> None:
+    """ZeRO's `bucket` came after llama3b's ZeRO cells were predicted and published: at its default
+    their ids stay; another bucket is another cell."""
+    llama3b = {c.stack.label: c for c in cells.expand(spec.get(REPO_MATRIX, "llama3b"), GPU_HOST)
+               if (c.seq_len, c.batch_size) == (2048, 2)}
+    assert llama3b["zero2"].cell_id == "llama-3.2-3b_s2048_b2_zero2_0d48768e"
+    assert llama3b["offload + zero2"].cell_id == "llama-3.2-3b_s2048_b2_offload+zero2_e37fa491"
+    smaller = dataclasses.replace(llama3b["zero2"], stack=stacks.parse_stack("zero2(bucket=50000000)"))
+    assert smaller.cell_id == "llama-3.2-3b_s2048_b2_zero2-bucket-50000000_" + smaller.cell_id[-8:]
+    assert smaller.cell_id[-8:] != "0d48768e"
 
 
 def test_ids_depend_on_settings_not_on_spelling(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ the records alive at that event.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -66,6 +67,29 @@ class Peak:
     event: int = -1
     where: str = ""
     op: str = ""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The bytes alive after one event of the trace: an allocation (made in `where` by `op`) or a free."""
+
+    event: int
+    live_bytes: int
+    allocated: bool
+    where: str = ""  # an allocation's stage/phase; "" for a free
+    op: str = ""
+
+
+@dataclass(frozen=True)
+class GradientReady:
+    """A parameter's gradient fully accumulated by autograd (its post-accumulate-grad hook ran): before
+    event `event` of the trace; the gradient's bytes (512 B blocks) and elements, and the parameter's
+    position among those watched (`MemoryCounter.watch_gradients`)."""
+
+    event: int
+    nbytes: int
+    elements: int
+    index: int
 
 
 @dataclass(frozen=True)
@@ -142,6 +166,8 @@ class MemoryCounter(TorchDispatchMode):
         self._forward_start = 0  # first record of the current forward pass
         self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
+        self.gradients_ready: list[GradientReady] = []  # in order, once `watch_gradients` is called
+        self._gradient_hooks: list[Any] = []
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
         # Memory counted apart from the caching allocator's (POOLS): "pinned" (pin_memory=True, or made inside
@@ -406,6 +432,18 @@ class MemoryCounter(TorchDispatchMode):
         elif where.endswith("/optimizer"):
             self.mark((p.grad for p in self.on_optimizer() if p.grad is not None), "gradient")
 
+    def watch_gradients(self, params: Iterable[Any]) -> None:
+        """Note where in the trace each parameter's gradient is ready (`gradients_ready`): where an engine
+        that takes gradients from the same hook as they come (DeepSpeed's ZeRO) would take it."""
+        def ready(index: int, param: Any) -> None:
+            if param.grad is None:  # taken by a hook before this one (optimizer_in_backward steps and frees it)
+                return
+            nbytes = -(-param.grad.untyped_storage().nbytes() // BLOCK_BYTES) * BLOCK_BYTES
+            self.gradients_ready.append(GradientReady(self.events, nbytes, param.grad.numel(), index))
+        trainable = [p for p in params if p.requires_grad]
+        self._gradient_hooks += [p.register_post_accumulate_grad_hook(functools.partial(ready, i))
+                                 for i, p in enumerate(trainable)]
+
     def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
         """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""
         self._settle()
@@ -421,6 +459,9 @@ class MemoryCounter(TorchDispatchMode):
         # Let go of the model and optimizer: the finalizers (held globally) reach this counter, so a
         # counter that kept them would keep every cell's tensors alive for the process's life.
         self.on_optimizer = self.after_step = tuple
+        for hook in self._gradient_hooks:
+            hook.remove()
+        self._gradient_hooks = []
 
     def mark(self, tensors: Iterable[Any], role: str) -> None:
         """The role of the records holding these tensors, where none is known yet."""
@@ -434,22 +475,30 @@ class MemoryCounter(TorchDispatchMode):
     def alive_at(self, event: int) -> list[Record]:
         return [r for r in self.records if r.made <= event and (r.freed is None or r.freed > event)]
 
-    def peak_of_roles_except(self, roles: tuple[str, ...], phases: tuple[str, ...] | None = None) -> Peak:
-        """The most bytes ever alive at once among records of the other roles, and the allocation that
-        made it (at each event, frees before allocations, as the live total counts them); with `phases`
-        (e.g. ("forward", "backward")), the most at an allocation made in a phase of those names."""
+    def moments_of_roles_except(self, roles: tuple[str, ...]) -> list[Moment]:
+        """The live total of the records of the other roles after each of their allocations and frees, in
+        the order of events (what a model of another engine adds its own bytes to, moment by moment)."""
         deltas = []
         for r in self.records:
             if (r.role or "temporary") not in roles and r.made >= 0:
                 deltas.append((r.made, r.nbytes, r.where, r.op))
                 if r.freed is not None:
                     deltas.append((r.freed, -r.nbytes, "", ""))
-        live, peak = 0, Peak()
+        moments, live = [], 0
         for event, delta, where, op in sorted(deltas):
             live += delta
-            in_phases = phases is None or where.rsplit("/", 1)[-1] in phases
-            if live > peak.nbytes and delta > 0 and in_phases:
-                peak = Peak(live, event, where, op)
+            moments.append(Moment(event, live, delta > 0, where, op))
+        return moments
+
+    def peak_of_roles_except(self, roles: tuple[str, ...], phases: tuple[str, ...] | None = None) -> Peak:
+        """The most bytes ever alive at once among records of the other roles, and the allocation that
+        made it; with `phases` (e.g. ("forward", "backward")), the most at an allocation made in a phase
+        of those names."""
+        peak = Peak()
+        for m in self.moments_of_roles_except(roles):
+            in_phases = phases is None or m.where.rsplit("/", 1)[-1] in phases
+            if m.allocated and m.live_bytes > peak.nbytes and in_phases:
+                peak = Peak(m.live_bytes, m.event, m.where, m.op)
         return peak
 
     def breakdown(self, peak: Peak) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/3: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/4: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -12,55 +12,60 @@ so a ZeRO cell's memory is assembled from two sources:
   figure with its default `additional_buffer_factor` (1.5, DeepSpeed's allowance for pinned buffers
   and copies), plus one worker process per rank. The estimator's GPU figure stays in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
-  engine techniques taken out (zero2/zero3/offload), the most of them alive at once in forward and
-  backward: DeepSpeed trains the bf16 model the same way, so what forward and backward allocate
-  besides the model states is the same. In the step, only what it keeps between steps;
-- plus the **gradient reduction bucket** DeepSpeed allocates on the GPU (`reduce_bucket_size`
-  elements of 16-bit gradients, the configured or default size): ZeRO-2 for each backward, ZeRO-3
-  from initialize on.
+  engine techniques taken out (zero2/zero3/offload), moment by moment through forward and backward:
+  DeepSpeed trains the bf16 model the same way, so what forward and backward allocate besides the
+  model states is the same. In the step, only what it keeps between steps;
+- plus what the engine makes in backward: the **gradient reduction bucket** (`reduce_bucket_size`
+  16-bit elements, the stack's `bucket`), ZeRO-3's from initialize on; ZeRO-2's, its gradients and
+  its 16-bit gradient partition as its gradient hooks make them (`Zero2Backward`), placed in the fake
+  run's trace where the same hooks fire (`MemoryCounter.watch_gradients`).
 
-Peak allocated is the more of training and the step (`hybrid_columns`). Peak reserved adds the fake
-run's own reserved-minus-allocated (the allocator's caching). And the build (`Build`): where it holds
-more, the peak is the build's (ZeRO-3 builds on meta and partitions one parameter at a time, so it
-never does). All of it is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md reports
-its error as soon as they are.
+Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved
+adds the fake run's own reserved-minus-allocated (the allocator's caching). And the build (`Build`):
+where it holds more, the peak is the build's (ZeRO-3 builds on meta and partitions one parameter at a
+time, so it never does). All of it is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md
+reports its error as soon as they are.
 
 Checked against DeepSpeed's real engine on a CPU (`tools/hybrid_check.py`: one or two gloo ranks, three
 steps under the same counter, no GPU workspaces on either side; DeepSpeed 0.19.8, torch 2.13.0+cpu),
-peak allocated, hybrid/3 (hybrid/2 in brackets):
+peak allocated, hybrid/4 (hybrid/3 in brackets):
 
-- a 62M-parameter Llama (hidden 1024, 4 layers), seq 256, batch 2: one rank ZeRO-2 +7.3% (+19.7%), ZeRO-3
-  +0.0% (-7.8%); two ranks ZeRO-2 +5.1% (+12.8%), ZeRO-3 -2.4% (-4.0%);
-- Qwen2.5-0.5B, the same cell, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
-  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%). Its 494M parameters fill
-  less than one 500M-element bucket, so ZeRO-2's gradient partition appears only as backward ends.
+- a 62M-parameter Llama (hidden 1024, 4 layers), seq 256, batch 2: one rank ZeRO-2 +0.0% (+7.3%), ZeRO-3
+  +0.0% (+0.0%); two ranks ZeRO-2 -0.0% (+5.1%), ZeRO-3 -2.4% (-2.4%);
+- the same model at seq 1024, batch 4, where every peak is in backward, on one and two ranks: ZeRO-2,
+  ZeRO-3, and ZeRO-2 with 20M- and 5M-element buckets (reduced in mid-backward; the embedding's
+  8.4M-element gradient waits for the next reduction): all +0.0% or -0.0%, to a tenth of a percent;
+- Qwen2.5-0.5B, seq 256, batch 2, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
+  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%).
 
 hybrid/2 added the estimator's states at their most (ZeRO-2: 20 B/param, counting both 16-bit gradients
 and the fp32 gradient partition) to the activations' peak. But the fp32 gradients exist only in the
-step, when the activations are gone (ZeRO-2 on the 62M Llama: 14 B/param alive after a step, 16 at the
-end of backward, where its peak is, bucket aside). And the step makes what the estimator leaves out:
-ZeRO-3's fp32 gradient partition and AdamW's temporary beside all the states (its peak, in the step:
-24 B/param on one rank, bucket aside, against the estimator's 18 plus the largest layer). What hybrid/3
-still misses: ZeRO-2's 16-bit gradient partition fills as backward frees the activations, yet both are
-counted at their most (the over-estimate above); and ZeRO-3 on several ranks gathers weights for forward
-and backward, counted as up to `stage3_max_live_parameters` alive (checked only below that many
-parameters: the 62M Llama keeps all of them gathered).
+step, when the activations are gone; and the step makes what the estimator leaves out: ZeRO-3's fp32
+gradient partition and AdamW's temporary beside all the states (its peak, in the step: 24 B/param on
+one rank, bucket aside, against the estimator's 18 plus the largest layer). hybrid/3 counted ZeRO-2's
+bucket and gradient partition beside the activations' peak; but the bucket comes at backward's first
+gradient, after the loss's backward (often the activations' peak), and the partition at the first
+reduction: for a model smaller than the bucket, at backward's end. What hybrid/4 still misses: ZeRO-3
+on several ranks gathers weights for forward and backward into DeepSpeed's prefetch buffers, counted
+as up to `stage3_max_live_parameters` weights alive (the -2.4% above, in forward; checked only below
+that many parameters).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack
 from . import allocator, save
-from .counter import BLOCK_BYTES, MemoryCounter, Peak
+from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
 from .gpus import GpuKind
 
-METHOD = "hybrid/3"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
-# 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU)
+METHOD = "hybrid/4"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+# 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
+# gradients and partition moment by moment through backward, as its gradient hooks make them)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -76,10 +81,12 @@ class ModelStates:
     gpu_bytes: int  # per GPU, DeepSpeed's estimator: the stage's states at their most (model_states_gib)
     host_bytes: int  # the host's, all ranks of the cell together
     bucket_bytes: int  # the gradient reduction bucket, per GPU
-    training_bytes: int  # per GPU, alive through forward and backward, besides the bucket
+    training_bytes: int  # per GPU, alive through forward and backward, besides the bucket and `partition_bytes`
     step_bytes: int  # per GPU, at the optimizer step's peak
     after_step_bytes: int  # per GPU, alive between steps
     bucket_in_step: bool  # ZeRO-3 holds its bucket from initialize on; ZeRO-2 makes it for each backward
+    bucket_elements: int = 0  # the bucket's size in 16-bit gradients (the stack's `bucket`)
+    partition_bytes: int = 0  # ZeRO-2's 16-bit gradient partition, from a backward's first reduction to its step
 
 
 @dataclass(frozen=True)
@@ -178,14 +185,17 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> Mo
         host, gpu = estimate_zero2_model_states_mem_needs(
             total_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
             additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
-    # The suite sets no bucket size: DeepSpeed's default, allocated whole in 16 bits whatever the model's
-    # size (ZeRO-3 at initialize, ZeRO-2 at each backward; tests/zero_bucket.py sees it on the CPU)
-    defaults = DeepSpeedZeroConfig()
-    bucket = int(defaults.reduce_bucket_size) * 2
+    # The stack's bucket (DeepSpeed's default unless set), allocated whole in 16 bits whatever the model's
+    # size (ZeRO-3 at initialize, ZeRO-2 at each backward's first gradient; tests/zero_bucket.py sees it)
+    elements = int(uses.get("zero3", uses.get("zero2", {}))["bucket"])
+    zero3 = "zero3" in uses
     if optimizer_offload or params_offload:  # DeepSpeed's figure throughout: not checked on a CPU, whose host is the device
-        return ModelStates(int(gpu), int(host), bucket, int(gpu), int(gpu), int(gpu), bucket_in_step=True)
-    training, step, after = phased(cell, total_params, int(defaults.max_live_parameters))
-    return ModelStates(int(gpu), int(host), bucket, training, step, after, bucket_in_step="zero3" in uses)
+        return ModelStates(int(gpu), int(host), 2 * elements, int(gpu), int(gpu), int(gpu), bucket_in_step=zero3,
+                           bucket_elements=elements)
+    training, step, after = phased(cell, total_params, int(DeepSpeedZeroConfig().max_live_parameters))
+    partition = 0 if zero3 else 2 * -(-total_params // cell.gpus)
+    return ModelStates(int(gpu), int(host), 2 * elements, training, step, after, bucket_in_step=zero3,
+                       bucket_elements=elements, partition_bytes=partition)
 
 
 def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int, int, int]:
@@ -193,9 +203,10 @@ def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int
     weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
     of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
     adds its fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole
-    (2 B/param) and, from backward to the step, the 16-bit gradient partition (2 B each). ZeRO-3 keeps
-    both 16-bit partitions throughout (4 B each) and, on several ranks, gathers the weights whole for
-    forward and backward: up to DeepSpeed's `stage3_max_live_parameters` of them alive at once."""
+    (2 B/param) and, from a backward's first reduction to the step, the 16-bit gradient partition (2 B
+    each: `ModelStates.partition_bytes`, not in training's figure). ZeRO-3 keeps both 16-bit partitions
+    throughout (4 B each) and, on several ranks, gathers the weights whole for forward and backward: up
+    to DeepSpeed's `stage3_max_live_parameters` of them alive at once."""
     params, ranks = total_params, cell.gpus
     partition = -(-params // ranks)
     if "zero3" in cell.stack.names:
@@ -203,7 +214,7 @@ def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int
         gathered = 0 if ranks == 1 else 2 * min(params, max_live_parameters)
         return after + gathered, after + 8 * partition, after
     after = 2 * params + 12 * partition
-    return after + 2 * partition, after + 8 * partition, after
+    return after, after + 8 * partition, after
 
 
 def largest_layer_params(model: Any) -> int:
@@ -217,26 +228,132 @@ MODEL_STATE_ROLES = ("weight", "gradient", "optimizer_state")  # what DeepSpeed'
 TRAINING_PHASES = ("forward", "backward")
 
 
+def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tuple[tuple[int, ...], ...]) -> Peak:
+    """The most bytes one rank holds in forward and backward: the training model states, plus the fake
+    run's other bytes moment by moment (activations, temporaries, the batch, workspaces), plus the
+    engine's own. ZeRO-3 holds its bucket throughout. ZeRO-2's bucket, gradient partition and gradients
+    come and go with backward's gradients (`Zero2Backward`), so they meet the activations only where
+    the trace says they do, not at their most."""
+    if states.bucket_in_step:
+        rest = counter.peak_of_roles_except(MODEL_STATE_ROLES, phases=TRAINING_PHASES)
+        return replace(rest, nbytes=states.training_bytes + states.bucket_bytes + rest.nbytes)
+    # the gradients' hooks run between events: each sorts before the event it precedes
+    timeline = sorted([((m.event, 1), m, None) for m in counter.moments_of_roles_except(MODEL_STATE_ROLES)]
+                      + [((g.event, 0), None, g) for g in counter.gradients_ready], key=lambda item: item[0])
+    peak, live, backward = Peak(), 0, None
+    where = ""
+    for _, moment, gradient in timeline:
+        if gradient is not None:  # a hook, in backward
+            backward = backward or Zero2Backward(states, partitions_of)
+            peak = _more(peak, states.training_bytes + live + backward.hook(gradient), where, "gradient hook")
+            continue
+        assert moment is not None
+        phase = moment.where.rsplit("/", 1)[-1] if moment.allocated else None
+        if backward is not None and phase not in (None, "backward"):  # backward has ended: its last reduction
+            peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
+            backward = None
+        if phase == "backward" and backward is None:
+            backward = Zero2Backward(states, partitions_of)
+        live, where = moment.live_bytes, moment.where or where
+        if moment.allocated and phase in TRAINING_PHASES:
+            engine = backward.alive_bytes() if backward is not None else 0
+            peak = _more(peak, states.training_bytes + live + engine, where, moment.op, moment.event)
+    if backward is not None:
+        peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
+    return peak
+
+
+def _more(peak: Peak, nbytes: int, where: str, op: str, event: int = -1) -> Peak:
+    return Peak(nbytes, event, where, op) if nbytes > peak.nbytes else peak
+
+
+@dataclass
+class Zero2Backward:
+    """What ZeRO-2's engine holds on one rank through one backward, besides the training states, as its
+    gradient hooks allocate it (DeepSpeed 0.19.8, stage_1_and_2.py: contiguous gradients, no overlap):
+
+    - the bucket (`reduce_bucket_size` 16-bit elements) is made at the first gradient's hook;
+    - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
+      hook. One larger than the bucket waits, alone, for the next reduction;
+    - a gradient that would overflow the bucket first reduces it. On several ranks the reduction
+      flattens the bucket's gradients into one temporary, unless they all fall in one rank's partition
+      (then it is a view). Then, at the first reduction, the rank's 16-bit gradient partition (2P/N
+      bytes) is made, and kept to the step (the rank whose gradients come first in backward; the others
+      make theirs later);
+    - backward's end reduces what is left: a model smaller than the bucket makes its partition only
+      there, when the activations are gone.
+
+    `partitions_of[i]`: the ranks whose partitions parameter i's gradient falls in (`flat_partitions`)."""
+
+    states: ModelStates
+    partitions_of: tuple[tuple[int, ...], ...]
+    bucket_bytes: int = 0
+    partition_bytes: int = 0
+    filled: list[GradientReady] = field(default_factory=list)  # since the last reduction, in order
+
+    def alive_bytes(self) -> int:
+        held = sum(g.nbytes for g in self.filled if g.elements > self.states.bucket_elements)
+        return self.bucket_bytes + self.partition_bytes + held
+
+    def hook(self, gradient: GradientReady) -> int:
+        """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included."""
+        self.bucket_bytes = self.states.bucket_bytes
+        most = 0
+        if sum(g.elements for g in self.filled) + gradient.elements > self.states.bucket_elements:
+            most = self._reduce(waiting_bytes=gradient.nbytes)
+        most = max(most, gradient.nbytes + self.alive_bytes())
+        self.filled.append(gradient)
+        return most
+
+    def epilogue(self) -> int:
+        """Backward's last reduction: the most bytes the engine holds in it."""
+        return max(self._reduce(waiting_bytes=0), self.alive_bytes())
+
+    def _reduce(self, waiting_bytes: int) -> int:
+        """The bucket reduced and this rank's share copied into its partition: the most bytes held."""
+        if not self.filled:
+            return 0
+        ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
+        flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
+        most = waiting_bytes + self.alive_bytes() + flattened
+        self.partition_bytes = self.states.partition_bytes
+        most = max(most, waiting_bytes + self.alive_bytes())  # the partition made, a large gradient still held
+        self.filled = []
+        return most
+
+
+def flat_partitions(numels: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:
+    """The ranks whose ZeRO-2 partitions each parameter falls in: DeepSpeed flattens the 16-bit
+    parameters in order into one buffer padded to 2N elements, and gives rank r its r-th Nth (its
+    per-parameter alignment padding, at most 7 elements each, is left out)."""
+    total = sum(numels)
+    size = -(-total // (2 * ranks)) * 2
+    out, start = [], 0
+    for n in numels:
+        out.append(tuple(range(start // size, (start + max(n, 1) - 1) // size + 1)))
+        start += n
+    return tuple(out)
+
+
 def kept_between_steps(counter: MemoryCounter) -> int:
     """Bytes the fake run still holds after its last step besides the model states (the batch, workspaces)."""
     return sum(r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role not in MODEL_STATE_ROLES)
 
 
-def hybrid_columns(cell: Cell, rest: Peak, kept_bytes: int, caching_gib: float, states: ModelStates, gpu: GpuKind,
-                   build: Build | None = None) -> dict[str, Any]:
-    """The hybrid figures: the more of two moments, plus the fake run's caching. In forward and backward:
-    the model states of training and the bucket, plus the peak of everything else the fake run allocated
-    there (`rest`: activations, temporaries, the batches, workspaces). In the optimizer step: the step's
-    model states (and ZeRO-3's bucket), plus what the fake run keeps between steps (`kept_bytes`: the
-    batch, workspaces). Or the build's, where it holds more (`Build`)."""
-    training = states.training_bytes + states.bucket_bytes + rest.nbytes
+def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, caching_gib: float, states: ModelStates,
+                   gpu: GpuKind, build: Build | None = None) -> dict[str, Any]:
+    """The hybrid figures: the more of two moments, plus the fake run's caching. In forward and backward
+    (`training`, from `training_peak`): the model states of training and the engine's bytes there, beside
+    everything else the fake run allocated (activations, temporaries, the batches, workspaces). In the
+    optimizer step: the step's model states (and ZeRO-3's bucket), plus what the fake run keeps between
+    steps (`kept_bytes`: the batch, workspaces). Or the build's, where it holds more (`Build`)."""
     step = states.step_bytes + (states.bucket_bytes if states.bucket_in_step else 0) + kept_bytes
-    allocated = max(training, step) / measure.GIB
-    stage = rest.where.rsplit("/", 1)[0] if "/" in rest.where else "measure"
+    allocated = max(training.nbytes, step) / measure.GIB
+    stage = training.where.rsplit("/", 1)[0] if "/" in training.where else "measure"
     out: dict[str, Any] = {
         "prediction_method": METHOD,
-        "peak_phase": rest.where if training >= step else f"{stage}/optimizer",
-        "peak_op": rest.op if training >= step else None,
+        "peak_phase": training.where if training.nbytes >= step else f"{stage}/optimizer",
+        "peak_op": training.op if training.nbytes >= step else None,
         "peak_allocated_gib": allocated,
         "peak_reserved_gib": allocated + caching_gib,
         "model_states_gib": states.gpu_bytes / measure.GIB,
@@ -269,12 +386,12 @@ def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKi
     """The hybrid's columns from the fake run of the cell without its engine (`counter`): DeepSpeed's
     model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's."""
     meta = trainer.build_model(cell, device="meta").model
-    total = sum(p.numel() for p in meta.parameters())
-    states = model_states(cell, total, largest_layer_params(meta))
-    rest = counter.peak_of_roles_except(MODEL_STATE_ROLES, phases=TRAINING_PHASES)
-    out = hybrid_columns(cell, rest, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
-    return {**out, **_save(cell, counter, states, [p.numel() for p in meta.parameters()], out),
-            "total_params": total, "trainable_params": total, "allocations": len(counter.records)}
+    numels = [p.numel() for p in meta.parameters()]
+    states = model_states(cell, sum(numels), largest_layer_params(meta))
+    training = training_peak(counter, states, flat_partitions(numels, cell.gpus))
+    out = hybrid_columns(cell, training, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
+    return {**out, **_save(cell, counter, states, numels, out),
+            "total_params": sum(numels), "trainable_params": sum(numels), "allocations": len(counter.records)}
 
 
 def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[int], out: dict[str, Any]) -> dict[str, Any]:

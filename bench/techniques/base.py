@@ -58,6 +58,9 @@ class Technique:
     options: Mapping[str, Any] = field(default_factory=dict)  # name -> default (its type is the option's type)
     choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # allowed values per option
     ranges: Mapping[str, str] = field(default_factory=dict)  # numeric options' intervals, e.g. {"r": "[1, inf)"}
+    # Options added after cells with this technique were published: at their default they are left out of
+    # the cell id, so those cells keep their ids (as a budget, a checkpoint and ranks are: bench/cells.py)
+    added_options: tuple[str, ...] = ()
     slot: str | None = None  # at most one technique per slot in a stack (one precision, one optimizer)
     requires_cuda: bool = False
     # Its forward pass runs torch.compile'd code (or may: an option chooses): the worker does not record the
