@@ -9,6 +9,10 @@ assembles the same cell from its model states phase by phase, its bucket and the
 without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch. Offload
 stacks are not compared: on a CPU the "host" is the device.
 A model is a registry name or a config.json.
+
+`--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
+default) to N on both sides: what ZeRO-3 keeps gathered on several ranks, checked on a small model as a
+large one meets those limits (Llama-3.1-8B has 8 times their 1e9 parameters).
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ def main() -> None:
     parser.add_argument("--stacks", default="zero2,zero3", help="comma list of ZeRO stacks without offload")
     parser.add_argument("--ranks", type=int, default=1, help="gloo ranks, one process each (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON line per stack instead of the table")
+    parser.add_argument("--zero3-live", type=int, help="ZeRO-3's max live parameters and max reuse distance (default 1e9)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks)))
+        print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live)))
         return
     if not args.json:
         print(f"{args.model}, seq {args.seq}, batch {args.batch}, {args.ranks} rank(s) on this CPU; peak allocated, GiB")
@@ -66,8 +71,9 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
     for rank in range(args.ranks):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.ranks),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        live = ["--zero3-live", str(args.zero3_live)] if args.zero3_live else []
         children.append(subprocess.Popen([sys.executable, __file__, args.model, "--seq", str(args.seq), "--batch",
-                                          str(args.batch), "--ranks", str(args.ranks), "--one", stack],
+                                          str(args.batch), "--ranks", str(args.ranks), "--one", stack, *live],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env))
     rows = []
     for child in children:
@@ -78,7 +84,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _compare(model: str, seq: int, batch: int, stack: str, ranks: int) -> dict[str, Any]:
+def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_live: int | None) -> dict[str, Any]:
     from bench import distributed, models, spec, trainer
     from bench.cells import make_cell
     from bench.predict import fake, hybrid
@@ -92,6 +98,8 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int) -> dict[s
         os.environ.setdefault(key, value)  # the parent's RANK, WORLD_SIZE for several
     cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", model, seq, batch, parse_stack(stack))
     cell = replace(cell, gpus=ranks)
+    if zero3_live:
+        _limit_zero3(zero3_live)
     with MemoryCounter() as counter:
         job = trainer.build(cell)
         for index, step_batch in enumerate(job.batches()[:3]):
@@ -103,6 +111,21 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int) -> dict[s
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
             "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
             "hybrid_where": predicted["peak_phase"]}
+
+
+def _limit_zero3(live: int) -> None:
+    """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 gathering, both given `live`."""
+    from bench.engines import deepspeed
+    from bench.predict import hybrid
+
+    config, phased = deepspeed.config, hybrid.phased
+
+    def limited_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = config(*args, **kwargs)
+        out["zero_optimization"].update(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
+        return out
+    deepspeed.config = limited_config  # type: ignore[assignment]
+    hybrid.phased = lambda cell, params, _default: phased(cell, params, live)  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -51,9 +51,14 @@ on several ranks gathers the weights for forward and backward, counted as up to
 elements (5e7) at a time, into one flat all-gather buffer, then copies each weight out of it; the
 buffer lives until the last of its weights is used. On two gloo ranks that buffer is the -2.4% above
 (the 62M Llama: 101 MB, 50.6M elements, freed near forward's end; a 44M Llama with 12 layers: 88 MB,
-all its weights, -2.4% too). Which weights DeepSpeed keeps gathered is checked only on models below
-`stage3_max_reuse_distance` (1e9 parameters), where it keeps them all through forward: it releases a
-weight after its module only if the weights used before its next use (in backward) reach that many.
+all its weights, -2.4% too). Below `stage3_max_reuse_distance` (1e9 parameters) DeepSpeed keeps every
+weight gathered through forward: it releases one after its module only if the weights used before its
+next use (in backward) reach that many. A model larger than that and its `stage3_max_live_parameters`
+(1e9 too) keeps about that many gathered: with both limits set to N (`tools/hybrid_check.py
+--zero3-live N`) on two ranks, the 44M Llama at seq 256 held 11.3 MB gathered at its peak with N = 5.5M
+(the hybrid counts 2N = 11.0 MB; whole peak -0.0%), -0.1% with N = 20M, and the 62M Llama at seq 1024,
+batch 4, -0.3% with N = 5M. Lowering one limit alone keeps them all gathered (not what `phased` counts:
+the suite keeps both at DeepSpeed's default).
 """
 
 from __future__ import annotations
