@@ -190,7 +190,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                              "With max_split_size, releasing only oversize blocks first is not a retry (as in torch)"),
     ("model_states_gib", "float", "hybrid: weights, gradients and optimizer state per GPU by DeepSpeed's estimator, GiB"),
     ("buckets_gib", "float", "hybrid: DeepSpeed's gradient reduction bucket per GPU (reduce_bucket_size), GiB"),
-    ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO, DeepSpeed's "
+    ("host_peak_gib", "float", "PREDICTED host RAM of the cell's ranks on one host, where it offloads: ZeRO-2, the "
+                               "tensors DeepSpeed makes there (pinned ones in power-of-two blocks); ZeRO-3, DeepSpeed's "
                                "estimate of the offloaded states (x1.5, its default allowance); activation offload and "
                                "FSDP2's CPU offload, the fake run's pinned host memory (power-of-two blocks, cached, as "
                                "PyTorch's host allocator holds them) and pageable optimizer state; + 1.53 GiB per worker "

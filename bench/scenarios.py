@@ -275,7 +275,8 @@ def _offload_fix(sources: Sources, planned: list[cells.Cell]) -> str:
     verdict = "more than the 128 GiB host of the field case: `host_oom`" if host > 128 else "within a 128 GiB host"
     return (f" The fix (`gc + offload + zero2`) needs {figure.quote()} on the GPU but "
             f"{figure.quote(host)} of host RAM, {verdict} (fp32 master weights, fp32 gradients and Adam's moments "
-            "move to the host" + (", by DeepSpeed's own estimate with its 1.5x allowance; † = hybrid prediction)"
+            "move to the host" + (", as DeepSpeed allocates them, the pinned ones in power-of-two blocks; "
+                                  "† = hybrid prediction)"
                                   if figure.source == "predicted" else ")") + ".")
 
 

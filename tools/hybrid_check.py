@@ -6,8 +6,10 @@ For each stack, in processes of their own (DeepSpeed's state is global), one per
 DeepSpeed trains the cell three steps on real CPU tensors under the predictor's MemoryCounter (every
 allocation, 512 B blocks), the most of any rank taken; and the hybrid (bench/predict/hybrid.py)
 assembles the same cell from its model states phase by phase, its bucket and the fake run of the cell
-without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch. Offload
-stacks are not compared: on a CPU the "host" is the device.
+without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch.
+`offload + zero2` (`zero2_offload`) is compared in its optimizer step, where the host holds the most:
+on a CPU the "host" is the device, so the step's GPU and host tensors together, unpinned (a CPU does
+not pin), against DeepSpeed's step's peak.
 A model is a registry name or a config.json.
 
 `--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
@@ -105,12 +107,29 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
         for index, step_batch in enumerate(job.batches()[:3]):
             job.step(step_batch, counter, f"step{index}")
     steps, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())  # the plain engine: one rank
+    if "offload" in cell.stack.names:
+        return _offload_step(cell, counter, steps)
     cpu = GpuKind("cpu", "this CPU", (0, 0))  # no cuBLAS workspaces, no context: like for like
     predicted = hybrid.assembled(cell, steps, 0.0, cpu)
     return {"real_bytes": counter.peak.nbytes, "real_where": counter.peak.where,
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
             "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
             "hybrid_where": predicted["peak_phase"]}
+
+
+def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
+    """ZeRO-2 with its optimizer offloaded, in the step after the first: DeepSpeed's peak of every tensor
+    (GPU's and host's alike, on a CPU) against the hybrid's GPU states, what the fake run keeps between
+    steps, and the host's tensors as a CPU makes them."""
+    from bench import trainer
+    from bench.predict import hybrid
+
+    numels = [p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()]
+    adam = {u.name: u.opts for u in cell.stack.uses}["zero2"]["adam"]
+    gpu, host = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False)
+    real = max(v for k, v in counter.phase_peaks.items() if k.endswith("/optimizer") and not k.startswith("step0"))
+    return {"real_bytes": real, "real_where": "optimizer step (GPU and host)", "bucket_bytes": 0,
+            "hybrid_bytes": gpu + hybrid.kept_between_steps(steps) + host, "hybrid_where": "optimizer step (GPU and host)"}
 
 
 def _limit_zero3(live: int) -> None:

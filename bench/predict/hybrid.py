@@ -6,11 +6,13 @@ so a ZeRO cell's memory is assembled from two sources:
 - **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU, phase by
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
   optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
-  Offload stacks, which a CPU cannot check (its host is the device), keep DeepSpeed's own accounting
-  throughout: `estimate_zero2_model_states_mem_needs` and `estimate_zero3_model_states_mem_needs`,
-  fed the cell's parameter count, largest layer, ranks and offload choices. Host RAM is DeepSpeed's
+  ZeRO-2 with its optimizer offloaded: the tensors DeepSpeed makes on the GPU and on the host
+  (`zero2_offload`; on a CPU, whose host is the device, checked in the step, both together). ZeRO-3's
+  offload stacks keep DeepSpeed's own accounting throughout: `estimate_zero3_model_states_mem_needs`,
+  fed the cell's parameter count, largest layer, ranks and offload choices; its host RAM is DeepSpeed's
   figure with its default `additional_buffer_factor` (1.5, DeepSpeed's allowance for pinned buffers
-  and copies), plus one worker process per rank. The estimator's GPU figure stays in `model_states_gib`;
+  and copies). Host RAM adds one worker process per rank. The estimator's GPU figure (for ZeRO-2
+  `estimate_zero2_model_states_mem_needs`) stays in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
   engine techniques taken out (zero2/zero3/offload), moment by moment through forward and backward:
   DeepSpeed trains the bf16 model the same way, so what forward and backward allocate besides the
@@ -36,7 +38,10 @@ peak allocated, hybrid/4 (hybrid/3 in brackets):
   ZeRO-3, and ZeRO-2 with 20M- and 5M-element buckets (reduced in mid-backward; the embedding's
   8.4M-element gradient waits for the next reduction): all +0.0% or -0.0%, to a tenth of a percent;
 - Qwen2.5-0.5B, seq 256, batch 2, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
-  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%).
+  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%);
+- `offload + zero2` and `gc + offload + zero2`, the 62M Llama, seq 256, batch 2, in the step, GPU and host
+  tensors together: 1.414 GiB = 1.414 on one rank, 0.780 = 0.780 on two (hybrid/3's estimator: 16 B/param
+  on the host, x1.5; the tensors are 18 B/param through training and 22 in torch AdamW's step).
 
 hybrid/2 added the estimator's states at their most (ZeRO-2: 20 B/param, counting both 16-bit gradients
 and the fp32 gradient partition) to the activations' peak. But the fp32 gradients exist only in the
@@ -72,6 +77,7 @@ from ..stacks import Stack
 from . import allocator, save
 from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
 from .gpus import GpuKind
+from .pinned import block_bytes
 
 METHOD = "hybrid/4"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
@@ -179,7 +185,7 @@ def activation_cell(cell: Cell) -> Cell:
     return replace(cell, stack=Stack(kept), gpus=1)
 
 
-def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> ModelStates:
+def model_states(cell: Cell, total_params: int, largest_layer_params: int, largest_param: int = 0) -> ModelStates:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -199,13 +205,34 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int) -> Mo
     # size (ZeRO-3 at initialize, ZeRO-2 at each backward's first gradient; tests/zero_bucket.py sees it)
     elements = int(uses.get("zero3", uses.get("zero2", {}))["bucket"])
     zero3 = "zero3" in uses
-    if optimizer_offload or params_offload:  # DeepSpeed's figure throughout: not checked on a CPU, whose host is the device
+    if optimizer_offload and not zero3:  # the tensors DeepSpeed makes, checked on a CPU (`zero2_offload`)
+        device, host_per_rank = zero2_offload(total_params, largest_param, cell.gpus, uses["zero2"]["adam"])
+        return ModelStates(int(gpu), cell.gpus * host_per_rank, 2 * elements, device, device, device,
+                           bucket_in_step=False, bucket_elements=elements)
+    if optimizer_offload or params_offload:  # ZeRO-3's: DeepSpeed's figure throughout, not checked
         return ModelStates(int(gpu), int(host), 2 * elements, int(gpu), int(gpu), int(gpu), bucket_in_step=zero3,
                            bucket_elements=elements)
     training, step, after = phased(cell, total_params, int(DeepSpeedZeroConfig().max_live_parameters))
     partition = 0 if zero3 else 2 * -(-total_params // cell.gpus)
     return ModelStates(int(gpu), int(host), 2 * elements, training, step, after, bucket_in_step=zero3,
                        bucket_elements=elements, partition_bytes=partition)
+
+
+def zero2_offload(params: int, largest_param: int, ranks: int, adam: str, pinned: bool = True) -> tuple[int, int]:
+    """(GPU, host per rank) bytes of ZeRO-2's model states with the optimizer on the host, as DeepSpeed
+    0.19.8 makes them (stage_1_and_2.py; checked on a CPU, `tools/hybrid_check.py`). The GPU keeps the
+    whole 16-bit weights (2 B/param) and a 16-bit buffer the size of the largest parameter, through which
+    each gradient goes to the host. Each rank's host keeps, for its partition of P/N parameters, pinned
+    (the suite's `pin_memory: true`; each a block of the next power of two, bench/predict/pinned.py):
+    fp32 master weights and their fp32 gradients (4 B each), a 16-bit copy of the weights (2) and a
+    16-bit buffer of the largest gradient; and pageable, AdamW's two moments (8) and, in torch's AdamW
+    step (`adam=torch`), one fp32 temporary (4; DeepSpeed's CPUAdam steps in place). The host's figure
+    is its most, in the step (`pinned=False`: the bytes themselves, as a CPU run makes them)."""
+    part = -(-params // ranks)
+    pin = block_bytes if pinned else (lambda nbytes: nbytes)
+    host = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param)
+    host += 8 * part + (4 * part if adam == "torch" else 0)
+    return 2 * params + 2 * largest_param, host
 
 
 def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int, int, int]:
@@ -397,7 +424,7 @@ def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKi
     model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's."""
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
-    states = model_states(cell, sum(numels), largest_layer_params(meta))
+    states = model_states(cell, sum(numels), largest_layer_params(meta), max(numels))
     training = training_peak(counter, states, flat_partitions(numels, cell.gpus))
     out = hybrid_columns(cell, training, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, numels, out),
