@@ -320,6 +320,17 @@ def test_zero2_holds_a_gradient_larger_than_its_bucket_until_the_next_reduction(
     assert engine.alive_bytes() == 200 + 1000
 
 
+def test_zero2_offload_reduces_through_an_fp64_copy_of_each_gradient_and_keeps_no_partition() -> None:
+    """The optimizer on the host: no partition on the GPU; at a reduction each gradient of the rank's in
+    turn is copied to fp64 for its norm (8 B an element), so the largest sets the moment."""
+    states = dataclasses.replace(_zero2_states(100, 0), to_host=True)
+    engine = hybrid.Zero2Backward(states, partitions_of=((0,), (0,)))
+    engine.hook(_ready(1, 60))
+    engine.hook(_ready(0, 30))
+    assert engine.epilogue() == 200 + 8 * 60
+    assert engine.alive_bytes() == 200
+
+
 def test_zero2_on_several_ranks_flattens_a_bucket_that_spans_their_partitions() -> None:
     """Two ranks: a reduction of gradients that fall in both partitions first flattens them into one
     temporary (2 B each); one whose gradients all fall in one rank's partition reduces a view."""
@@ -368,8 +379,8 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: 
     allocated less the bucket both hold, within 1% (0.0% under torch 2.13, transformers 5.24; ZeRO-3 with
     its live-parameter and reuse limits scaled down, -0.4%). The small buckets reduce in mid-backward;
     5M elements is less than the embedding's 8.4M gradient, which waits for the next reduction; on two
-    ranks the reductions flatten the gradients of both partitions. `offload + zero2` is compared in its
-    optimizer step, its GPU's and host's tensors together (on a CPU both are the CPU's)."""
+    ranks the reductions flatten the gradients of both partitions. `offload + zero2` is compared at its
+    peak, its GPU's and host's tensors together (on a CPU both are the CPU's)."""
     pytest.importorskip("deepspeed")
     config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
     config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,

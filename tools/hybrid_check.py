@@ -7,9 +7,9 @@ DeepSpeed trains the cell three steps on real CPU tensors under the predictor's 
 allocation, 512 B blocks), the most of any rank taken; and the hybrid (bench/predict/hybrid.py)
 assembles the same cell from its model states phase by phase, its bucket and the fake run of the cell
 without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch.
-`offload + zero2` (`zero2_offload`) is compared in its optimizer step, where the host holds the most:
-on a CPU the "host" is the device, so the step's GPU and host tensors together, unpinned (a CPU does
-not pin), against DeepSpeed's step's peak.
+`offload + zero2` (`zero2_offload`): on a CPU the "host" is the device, so the GPU's and the host's
+tensors together, the host's unpinned (a CPU does not pin), at the more of training and the optimizer
+step, against DeepSpeed's peak of all its tensors.
 A model is a registry name or a config.json.
 
 `--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
@@ -118,18 +118,25 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
 
 
 def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
-    """ZeRO-2 with its optimizer offloaded, in the step after the first: DeepSpeed's peak of every tensor
-    (GPU's and host's alike, on a CPU) against the hybrid's GPU states, what the fake run keeps between
-    steps, and the host's tensors as a CPU makes them."""
+    """ZeRO-2 with its optimizer offloaded: DeepSpeed's peak of every tensor (the GPU's and host's alike, on a
+    CPU) against the more of two moments: training (the hybrid's GPU training peak beside the host's
+    training tensors) and the step (the GPU's states and what the fake run keeps between steps, beside the
+    host's tensors in the step)."""
     from bench import trainer
     from bench.predict import hybrid
 
-    numels = [p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()]
+    meta = trainer.build_model(cell, device="meta").model
+    numels = [p.numel() for p in meta.parameters()]
     adam = {u.name: u.opts for u in cell.stack.uses}["zero2"]["adam"]
-    gpu, host = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False)
-    real = max(v for k, v in counter.phase_peaks.items() if k.endswith("/optimizer") and not k.startswith("step0"))
-    return {"real_bytes": real, "real_where": "optimizer step (GPU and host)", "bucket_bytes": 0,
-            "hybrid_bytes": gpu + hybrid.kept_between_steps(steps) + host, "hybrid_where": "optimizer step (GPU and host)"}
+    states = hybrid.model_states(cell, sum(numels), hybrid.largest_layer_params(meta), max(numels))
+    training = hybrid.training_peak(steps, states, hybrid.flat_partitions(numels, cell.gpus))
+    host_training = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False, in_step=False)[1]
+    host_step = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False)[1]
+    moments = {training.where: training.nbytes + host_training,
+               "optimizer step": states.step_bytes + hybrid.kept_between_steps(steps) + host_step}
+    where = max(moments, key=lambda k: moments[k])
+    return {"real_bytes": counter.peak.nbytes, "real_where": f"{counter.peak.where} (GPU and host)", "bucket_bytes": 0,
+            "hybrid_bytes": moments[where], "hybrid_where": f"{where} (GPU and host)"}
 
 
 def _limit_zero3(live: int) -> None:

@@ -7,7 +7,7 @@ so a ZeRO cell's memory is assembled from two sources:
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
   optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
   ZeRO-2 with its optimizer offloaded: the tensors DeepSpeed makes on the GPU and on the host
-  (`zero2_offload`; on a CPU, whose host is the device, checked in the step, both together). ZeRO-3's
+  (`zero2_offload`; on a CPU, whose host is the device, checked with both together at their peak). ZeRO-3's
   offload stacks keep DeepSpeed's own accounting throughout: `estimate_zero3_model_states_mem_needs`,
   fed the cell's parameter count, largest layer, ranks and offload choices; its host RAM is DeepSpeed's
   figure with its default `additional_buffer_factor` (1.5, DeepSpeed's allowance for pinned buffers
@@ -39,9 +39,11 @@ peak allocated, hybrid/4 (hybrid/3 in brackets):
   8.4M-element gradient waits for the next reduction): all +0.0% or -0.0%, to a tenth of a percent;
 - Qwen2.5-0.5B, seq 256, batch 2, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
   +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%);
-- `offload + zero2` and `gc + offload + zero2`, the 62M Llama, seq 256, batch 2, in the step, GPU and host
-  tensors together: 1.414 GiB = 1.414 on one rank, 0.780 = 0.780 on two (hybrid/3's estimator: 16 B/param
-  on the host, x1.5; the tensors are 18 B/param through training and 22 in torch AdamW's step).
+- `offload + zero2` and `gc + offload + zero2`, the 62M Llama, GPU and host tensors together at their
+  peak (in backward): seq 256, batch 2, one rank 2.219 = 2.219 and 2.178 = 2.178 GiB (-1.4% without the
+  fp64 norm copy of `Zero2Backward`), two ranks 1.712 = 1.712 both; seq 1024, batch 4, one rank 2.882 =
+  2.882 and 2.366 = 2.366. The host's tensors are 18 B/param through training and 22 in torch AdamW's
+  step (hybrid/3 used DeepSpeed's estimator: 16 B/param x 1.5).
 
 hybrid/2 added the estimator's states at their most (ZeRO-2: 20 B/param, counting both 16-bit gradients
 and the fp32 gradient partition) to the activations' peak. But the fp32 gradients exist only in the
@@ -103,6 +105,7 @@ class ModelStates:
     bucket_in_step: bool  # ZeRO-3 holds its bucket from initialize on; ZeRO-2 makes it for each backward
     bucket_elements: int = 0  # the bucket's size in 16-bit gradients (the stack's `bucket`)
     partition_bytes: int = 0  # ZeRO-2's 16-bit gradient partition, from a backward's first reduction to its step
+    to_host: bool = False  # ZeRO-2 offload: a reduction sends each gradient to the host (an fp64 copy for its norm)
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int, large
     if optimizer_offload and not zero3:  # the tensors DeepSpeed makes, checked on a CPU (`zero2_offload`)
         device, host_per_rank = zero2_offload(total_params, largest_param, cell.gpus, uses["zero2"]["adam"])
         return ModelStates(int(gpu), cell.gpus * host_per_rank, 2 * elements, device, device, device,
-                           bucket_in_step=False, bucket_elements=elements)
+                           bucket_in_step=False, bucket_elements=elements, to_host=True)
     if optimizer_offload or params_offload:  # ZeRO-3's: DeepSpeed's figure throughout, not checked
         return ModelStates(int(gpu), int(host), 2 * elements, int(gpu), int(gpu), int(gpu), bucket_in_step=zero3,
                            bucket_elements=elements)
@@ -218,7 +221,8 @@ def model_states(cell: Cell, total_params: int, largest_layer_params: int, large
                        bucket_elements=elements, partition_bytes=partition)
 
 
-def zero2_offload(params: int, largest_param: int, ranks: int, adam: str, pinned: bool = True) -> tuple[int, int]:
+def zero2_offload(params: int, largest_param: int, ranks: int, adam: str, pinned: bool = True,
+                  in_step: bool = True) -> tuple[int, int]:
     """(GPU, host per rank) bytes of ZeRO-2's model states with the optimizer on the host, as DeepSpeed
     0.19.8 makes them (stage_1_and_2.py; checked on a CPU, `tools/hybrid_check.py`). The GPU keeps the
     whole 16-bit weights (2 B/param) and a 16-bit buffer the size of the largest parameter, through which
@@ -227,11 +231,12 @@ def zero2_offload(params: int, largest_param: int, ranks: int, adam: str, pinned
     fp32 master weights and their fp32 gradients (4 B each), a 16-bit copy of the weights (2) and a
     16-bit buffer of the largest gradient; and pageable, AdamW's two moments (8) and, in torch's AdamW
     step (`adam=torch`), one fp32 temporary (4; DeepSpeed's CPUAdam steps in place). The host's figure
-    is its most, in the step (`pinned=False`: the bytes themselves, as a CPU run makes them)."""
+    is its most, in the step (`in_step=False`: through forward and backward; `pinned=False`: the bytes
+    themselves, as a CPU run makes them)."""
     part = -(-params // ranks)
     pin = block_bytes if pinned else (lambda nbytes: nbytes)
     host = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param)
-    host += 8 * part + (4 * part if adam == "torch" else 0)
+    host += 8 * part + (4 * part if adam == "torch" and in_step else 0)
     return 2 * params + 2 * largest_param, host
 
 
@@ -318,7 +323,10 @@ class Zero2Backward:
       bytes) is made, and kept to the step (the rank whose gradients come first in backward; the others
       make theirs later);
     - backward's end reduces what is left: a model smaller than the bucket makes its partition only
-      there, when the activations are gone.
+      there, when the activations are gone;
+    - with the optimizer offloaded there is no partition on the GPU: a reduction takes each gradient of
+      this rank's in turn, makes an fp64 copy of it on the GPU for its norm (DeepSpeed's norms accumulate
+      in fp64), frees it, and copies the gradient to the host's fp32 gradients through an fp32 copy.
 
     `partitions_of[i]`: the ranks whose partitions parameter i's gradient falls in (`flat_partitions`)."""
 
@@ -353,6 +361,8 @@ class Zero2Backward:
         ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
         flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
         most = waiting_bytes + self.alive_bytes() + flattened
+        if self.states.to_host:  # the largest gradient's fp64 copy for its norm (all of it: the most-loaded rank)
+            most = max(most, waiting_bytes + self.alive_bytes() + 8 * max(g.elements for g in self.filled))
         self.partition_bytes = self.states.partition_bytes
         most = max(most, waiting_bytes + self.alive_bytes())  # the partition made, a large gradient still held
         self.filled = []
