@@ -214,43 +214,43 @@ def test_more_fsdp_ranks_hold_less_state_per_rank() -> None:
 
 def _training_bytes(stack: str, params: int, ranks: int, largest_layer: int, largest_param: int) -> int:
     """The model states a ZeRO rank holds through forward and backward, worked out by hand (bytes);
-    ZeRO-2's 16-bit gradient partition apart (made at a reduction: `Zero2Backward`)."""
+    ZeRO-2's 16-bit gradient partition apart (made at a reduction: `ZeroBackward`)."""
     part = -(-params // ranks)
     return {"zero2": 2 * params + 12 * part,  # whole 16-bit weights; fp32 master weights and both moments
-            "zero3": 16 * part + (2 * params if ranks > 1 else 0),  # all partitioned; the weights gathered
+            "zero3": 16 * part,  # all partitioned (the weights gathered apart)
             "offload + zero2": 2 * params + 2 * largest_param,  # 16-bit weights; the gradients' way to the host
-            "gc + offload(params=true) + zero3": 4 * largest_layer}[stack]  # its figure: one layer gathered
+            "gc + offload(params=true) + zero3": 0}[stack]  # all on the host (the weights gathered apart)
 
 
 def _pinned(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
-@pytest.mark.parametrize(("stack", "ranks", "estimator_b_per_param", "host_estimator"), [
-    ("zero2", 1, 20, False),  # the estimator: 16-bit weights (2) + fp32 master, 16- and 32-bit gradients, Adam (18 / ranks)
-    ("zero2", 4, 2 + 18 / 4, False),
-    ("zero3", 2, 18 / 2, False),  # + the largest layer's 16-bit weights and gradients
-    ("offload + zero2", 2, 2, False),  # the host: the tensors DeepSpeed makes there (below)
-    ("gc + offload(params=true) + zero3", 1, 0, True),  # the GPU keeps only the largest layer gathered
+@pytest.mark.parametrize(("stack", "ranks", "estimator_b_per_param"), [
+    ("zero2", 1, 20),  # the estimator: 16-bit weights (2) + fp32 master, 16- and 32-bit gradients, Adam (18 / ranks)
+    ("zero2", 4, 2 + 18 / 4),
+    ("zero3", 2, 18 / 2),  # + the largest layer's 16-bit weights and gradients
+    ("offload + zero2", 2, 2),  # the host: the tensors DeepSpeed makes there (below)
+    ("gc + offload(params=true) + zero3", 1, 0),  # the estimator: the largest layer gathered
 ])
 def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other_bytes(
-        stack: str, ranks: int, estimator_b_per_param: float, host_estimator: bool) -> None:
-    """Peak allocated: the more of training (its model states, the bucket, the fake run's other bytes in
-    forward and backward) and the optimizer step (its states: + fp32 gradients and AdamW's temporary).
-    ZeRO-3 holds its bucket throughout, so its training is at the fake run's own peak. ZeRO-2 makes its
-    bucket and gradient partition in backward: tiny-llama's gradients fill less than the bucket, so the
-    partition comes only at backward's end, and the peak lies between backward's end with everything
-    and the rest's peak with all but the partition. model_states_gib stays DeepSpeed's estimator's
-    figure; offload stacks keep it throughout."""
+        stack: str, ranks: int, estimator_b_per_param: float) -> None:
+    """Peak allocated: the more of training (its model states, the engine's bucket and reductions, the
+    fake run's other bytes in forward and backward) and the optimizer step (its states: + fp32 gradients
+    and AdamW's temporary). tiny-llama's gradients fill less than the bucket, so they are reduced only at
+    backward's end: the peak is at least backward's end with its reduction (and for ZeRO-3, which holds
+    its bucket throughout, the rest's peak with the bucket), at most the rest's peak with everything.
+    model_states_gib stays DeepSpeed's estimator's figure."""
     from bench import trainer
 
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/4"
+    assert found["prediction_method"] == "hybrid/5"
     meta = trainer.build_model(cell, device="meta").model
-    params = sum(p.numel() for p in meta.parameters())
-    largest_layer, largest_param = hybrid.largest_layer_params(meta), max(p.numel() for p in meta.parameters())
+    numels = [p.numel() for p in meta.parameters()]
+    params = sum(numels)
+    largest_layer, largest_param = hybrid.largest_layer_params(meta), max(numels)
     estimator_layer = 4 * largest_layer if "zero3" in stack else 0
     assert found["model_states_gib"] * 2**30 == pytest.approx(estimator_b_per_param * params + estimator_layer, rel=1e-6)
     # the rest: what the fake run of the cell without its engine held in forward and backward besides
@@ -263,25 +263,33 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     bucket = 500_000_000 * 2  # DeepSpeed's default reduce bucket, 16-bit, whole
     assert found["buckets_gib"] * 2**30 == bucket
     states = _training_bytes(stack, params, ranks, largest_layer, largest_param)
-    if "zero3" in stack:
-        assert found["peak_allocated_gib"] * 2**30 == pytest.approx(states + bucket + rest)
-    else:
-        partition = 0 if "offload" in stack else 2 * -(-params // ranks)
-        last = counter.steps[-1]  # backward's end: the batch and a few small tensors besides the states
-        at_end = sum(r.nbytes for r in counter.alive_at(last.event) if r.role not in hybrid.MODEL_STATE_ROLES)
-        largest_gradient = max(g.nbytes for g in counter.gradients_ready)
-        assert states + partition + bucket + at_end <= found["peak_allocated_gib"] * 2**30
-        assert found["peak_allocated_gib"] * 2**30 <= states + partition + bucket + rest + largest_gradient
+    # ZeRO-3 gathers every weight (fewer than 1e9) for forward, on two ranks or from the host; in backward
+    # each is released after its module
+    gathered = 2 * params if stack != "zero2" and "zero3" in stack and (ranks > 1 or "offload" in stack) else 0
+    last = counter.steps[-1]  # backward's end: the batch and a few small tensors besides the states
+    at_end = sum(r.nbytes for r in counter.alive_at(last.event) if r.role not in hybrid.MODEL_STATE_ROLES)
+    largest_gradient = max(g.nbytes for g in counter.gradients_ready)
+    part = -(-params // ranks)
+    # the reduction at backward's end: ZeRO-2's partition (none offloaded: the largest gradient's fp64
+    # copy); ZeRO-3's gradients interleaved into one 16-bit temporary, padded per parameter (offloaded:
+    # + the largest partition back on the GPU, in fp64 for its norm)
+    reduction = {"zero2": 2 * part, "offload + zero2": 8 * largest_param,
+                 "zero3": 2 * sum(-(-n // ranks) * ranks for n in numels)}.get(stack, 2 * params + 10 * largest_param)
+    peak = found["peak_allocated_gib"] * 2**30
+    assert states + bucket + at_end + reduction <= peak
+    if "zero3" in stack:  # its bucket held from initialize on; ZeRO-2's is made after the loss's backward
+        assert states + gathered + bucket + rest <= peak
+    assert peak <= states + gathered + bucket + rest + largest_gradient + reduction
     processes_gib = ranks * 1.53
+    pinned = {  # per rank, pinned host blocks: ZeRO-2 fp32 master weights and gradients, 16-bit weights, the
+        # largest gradient's buffer; ZeRO-3 16-bit weights and gradients, fp32 gradients
+        "offload + zero2": 2 * _pinned(4 * part) + _pinned(2 * part) + _pinned(2 * largest_param),
+        "gc + offload(params=true) + zero3": 2 * _pinned(2 * part) + _pinned(4 * part)}
     if "offload" not in stack:
         assert "host_peak_gib" not in found
-    elif host_estimator:  # DeepSpeed's figure for ZeRO-3: 18 B/param x its 1.5 allowance
-        assert found["host_peak_gib"] == pytest.approx(18 * 1.5 * params / 2**30 + processes_gib)
-    else:  # per rank, pinned: fp32 master weights and gradients, 16-bit weights, the largest gradient's
-        # buffer; pageable: AdamW's moments and its step's fp32 temporary
-        part = -(-params // ranks)
-        pinned = 2 * _pinned(4 * part) + _pinned(2 * part) + _pinned(2 * largest_param)
-        assert found["host_peak_gib"] == pytest.approx(ranks * (pinned + 12 * part) / 2**30 + processes_gib)
+    else:  # + pageable: the fp32 master weights (ZeRO-3), AdamW's moments, its step's fp32 temporary
+        pageable = (16 if "zero3" in stack else 12) * part
+        assert found["host_peak_gib"] == pytest.approx(ranks * (pinned[stack] + pageable) / 2**30 + processes_gib)
 
 
 def _ready(index: int, elements: int, event: int = 0) -> GradientReady:
@@ -289,15 +297,15 @@ def _ready(index: int, elements: int, event: int = 0) -> GradientReady:
 
 
 def _zero2_states(bucket_elements: int, partition_bytes: int) -> hybrid.ModelStates:
-    return hybrid.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, bucket_in_step=False,
-                              bucket_elements=bucket_elements, partition_bytes=partition_bytes)
+    return hybrid.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=2, bucket_elements=bucket_elements,
+                              partition_bytes=partition_bytes)
 
 
 def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_first_reduction() -> None:
     """By hand, one rank, a 100-element bucket, gradients of 60, 30, 20 elements (bf16): the first hook
     makes the bucket (200 B) beside its gradient; the third overflows the bucket, so the first two are
     reduced and the partition (1000 B here) is made while the third waits; backward's end reduces it."""
-    engine = hybrid.Zero2Backward(_zero2_states(100, 1000), partitions_of=((0,), (0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,), (0,)))
     assert engine.alive_bytes() == 0  # before backward's first gradient: nothing of the engine's
     assert engine.hook(_ready(2, 60)) == 120 + 200
     assert engine.hook(_ready(1, 30)) == 60 + 200
@@ -305,7 +313,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
     assert engine.hook(_ready(0, 20)) == 40 + 200 + 1000  # the reduction before it made the partition
     assert engine.epilogue() == 200 + 1000
     # a model smaller than its bucket: the partition only at backward's end
-    small = hybrid.Zero2Backward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
+    small = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
     assert small.hook(_ready(1, 60)) + small.hook(_ready(0, 30)) == (120 + 200) + (60 + 200)
     assert small.epilogue() == 200 + 1000
 
@@ -313,7 +321,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
 def test_zero2_holds_a_gradient_larger_than_its_bucket_until_the_next_reduction() -> None:
     """A 150-element gradient does not fit a 100-element bucket: it waits, whole, for the next hook's
     reduction, and is freed only after the partition is made."""
-    engine = hybrid.Zero2Backward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
     assert engine.hook(_ready(1, 150)) == 300 + 200  # an empty bucket: nothing to reduce first
     assert engine.alive_bytes() == 200 + 300  # still held
     assert engine.hook(_ready(0, 10)) == 20 + 300 + 200 + 1000  # reduced: the partition made while it is held
@@ -324,7 +332,7 @@ def test_zero2_offload_reduces_through_an_fp64_copy_of_each_gradient_and_keeps_n
     """The optimizer on the host: no partition on the GPU; at a reduction each gradient of the rank's in
     turn is copied to fp64 for its norm (8 B an element), so the largest sets the moment."""
     states = dataclasses.replace(_zero2_states(100, 0), to_host=True)
-    engine = hybrid.Zero2Backward(states, partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(states, partitions_of=((0,), (0,)))
     engine.hook(_ready(1, 60))
     engine.hook(_ready(0, 30))
     assert engine.epilogue() == 200 + 8 * 60
@@ -336,14 +344,82 @@ def test_zero2_on_several_ranks_flattens_a_bucket_that_spans_their_partitions() 
     temporary (2 B each); one whose gradients all fall in one rank's partition reduces a view."""
     assert hybrid.flat_partitions([50, 30, 40], ranks=2) == ((0,), (0, 1), (1,))  # 120 elements: 60 each
     partition = 2 * 60  # the rank's 60 16-bit gradients
-    across = hybrid.Zero2Backward(_zero2_states(100, partition), hybrid.flat_partitions([50, 30, 40], ranks=2))
+    across = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.flat_partitions([50, 30, 40], ranks=2))
     across.hook(_ready(2, 40))
     across.hook(_ready(1, 30))
     assert across.epilogue() == 200 + 2 * 70  # the flattened copy, freed before the partition is made
     assert across.alive_bytes() == 200 + partition
-    within = hybrid.Zero2Backward(_zero2_states(100, partition), hybrid.flat_partitions([60, 60], ranks=2))
+    within = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.flat_partitions([60, 60], ranks=2))
     within.hook(_ready(1, 60))
     assert within.epilogue() == 200 + partition  # a view: nothing flattened
+
+
+def _zero3_states(bucket_elements: int, ranks: int, to_host: bool = False) -> hybrid.ModelStates:
+    return hybrid.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=3, bucket_elements=bucket_elements,
+                              ranks=ranks, to_host=to_host)
+
+
+def test_zero3_holds_its_bucket_throughout_and_reduces_through_one_padded_temporary() -> None:
+    """By hand, a 100-element bucket (200 B, held from initialize on): on two ranks, gradients of 61 and
+    30 elements are interleaved by rank, each padded to a multiple of 2, into one 16-bit temporary
+    (2 x (62 + 30) B) at backward's end; a single gradient that 2 divides is reduced in place."""
+    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=2), partitions_of=((0,), (0,)))
+    assert engine.alive_bytes() == 200  # before any gradient: the bucket
+    assert engine.hook(_ready(1, 61)) == 122 + 200
+    assert engine.hook(_ready(0, 30)) == 60 + 200
+    assert engine.epilogue() == 200 + 2 * (62 + 30)
+    assert engine.alive_bytes() == 200  # no partition of ZeRO-2's: ZeRO-3's is in the training states
+    single = hybrid.ZeroBackward(_zero3_states(100, ranks=2), partitions_of=((0,),))
+    single.hook(_ready(0, 60))
+    assert single.epilogue() == 200
+
+
+def test_zero3_releases_each_gathered_weight_in_backward_after_its_gradient() -> None:
+    """ZeRO-3 gathers the weights for forward (here 2 x 90 B of a 90-element model, fewer than its
+    1e9 live parameters) and releases each after its module's backward: at its gradient's hook, so by
+    backward's end none is held."""
+    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180, params=90)
+    engine = hybrid.ZeroBackward(states, partitions_of=((0,), (0,)))
+    assert engine.alive_bytes() == 200 + 180
+    assert engine.hook(_ready(1, 60)) == 120 + 200 + 180  # its weight still held while its gradient is copied
+    assert engine.alive_bytes() == 200 + 60
+    engine.hook(_ready(0, 30))
+    assert engine.epilogue() == 200 + 2 * 90  # the interleaved temporary; every weight released
+
+
+def test_zero3_offload_sends_each_partition_to_the_host_through_copies_on_the_gpu() -> None:
+    """The optimizer on the host, one rank: each gradient's partition, in turn, comes back from the host's
+    16-bit buffer to the GPU (2 B an element) and is cast to fp64 for its norm, 250M elements at a time
+    (8 B each), then to fp32 (4 B): the largest partition's copies, beside the interleaved temporary. A
+    gradient over 250M elements costs its fp32 copy more than its fp64 chunk."""
+    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=1, to_host=True), partitions_of=((0,), (0,)))
+    engine.hook(_ready(1, 60))
+    engine.hook(_ready(0, 30))
+    assert engine.epilogue() == 200 + 2 * 90 + (2 + 8) * 60
+    huge = 600_000_000
+    big = hybrid.ZeroBackward(_zero3_states(huge, ranks=1, to_host=True), partitions_of=((0,),))
+    big.hook(_ready(0, huge))
+    assert big.epilogue() == 2 * huge + 2 * huge + max(8 * 250_000_000, 4 * huge)
+
+
+def test_zero3_offload_keeps_its_states_on_the_host_in_pinned_blocks_and_sub_groups() -> None:
+    """ZeRO-3 with optimizer and parameters offloaded, two ranks, parameters of 1.2e9, 0.6e9 and 0.5e9
+    elements (partitions 0.6e9, 0.3e9, 0.25e9; a sub-group closes once it reaches 1e9: one of 1.15e9). Each
+    rank's host: pinned 16-bit weights and gradients (one block each) and the fp32 gradients (one block a
+    sub-group); pageable fp32 master weights and AdamW's moments, and in the step torch AdamW's fp32
+    temporary of the largest sub-group. The GPU: nothing between steps (the weights it gathers are
+    counted apart); with the parameters on the GPU, their 16-bit partition."""
+    numels = [1_200_000_000, 600_000_000, 500_000_000]
+    part = 1_150_000_000
+    assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000]) == [1_150_000_000]
+    assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000, 50]) == [1_150_000_000, 50]
+    device, step, training = hybrid.zero3_offload(numels, ranks=2, adam="torch", params_offloaded=True)
+    pinned = 2 * _pinned(2 * part) + _pinned(4 * part)
+    assert (device, training) == (0, pinned + 12 * part)
+    assert step == training + 4 * part
+    assert hybrid.zero3_offload(numels, 2, "deepspeed", params_offloaded=True)[1] == training  # CPUAdam: in place
+    device, _, training = hybrid.zero3_offload(numels, 2, "torch", params_offloaded=False)
+    assert (device, training) == (2 * part, _pinned(2 * part) + _pinned(4 * part) + 12 * part)
 
 
 def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_beside_every_state() -> None:
@@ -354,8 +430,9 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 
     for stack, step_b_per_param, bucket_in_step in (("zero2", 22, False), ("zero3", 24, True)):
         cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-        params = sum(p.numel() for p in trainer.build_model(cell, device="meta").model.parameters())
-        states = hybrid.model_states(cell, params, largest_layer_params=0)
+        numels = [p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()]
+        params = sum(numels)
+        states = hybrid.model_states(cell, numels, largest_layer_params=0)
         assert states.step_bytes == step_b_per_param * params and states.bucket_in_step is bucket_in_step
         # no activations: training's most is at backward's end, with the bucket and ZeRO-2's partition
         training = states.training_bytes + states.bucket_bytes + states.partition_bytes
@@ -368,9 +445,9 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("ranks", "stacks", "zero3_live"), [
-    (1, "zero2,zero3,zero2(bucket=5000000),offload + zero2", None),
-    (2, "zero2,zero2(bucket=20000000)", None),
-    (2, "zero3", 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
+    (1, "zero2,zero3,zero2(bucket=5000000),offload + zero2,zero3(bucket=5000000) + offload(params=true)", None),
+    (2, "zero2,zero2(bucket=20000000),gc + zero3 + offload(params=true)", None),
+    (2, "zero3,zero3 + offload", 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
 ])
 def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: int, stacks: str,
                                                           zero3_live: int | None) -> None:
@@ -379,8 +456,8 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: 
     allocated less the bucket both hold, within 1% (0.0% under torch 2.13, transformers 5.24; ZeRO-3 with
     its live-parameter and reuse limits scaled down, -0.4%). The small buckets reduce in mid-backward;
     5M elements is less than the embedding's 8.4M gradient, which waits for the next reduction; on two
-    ranks the reductions flatten the gradients of both partitions. `offload + zero2` is compared at its
-    peak, its GPU's and host's tensors together (on a CPU both are the CPU's)."""
+    ranks the reductions flatten the gradients of both partitions. The offload stacks are compared at their
+    peak, their GPU's and host's tensors together (on a CPU both are the CPU's)."""
     pytest.importorskip("deepspeed")
     config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
     config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
@@ -411,7 +488,7 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     largest = json.loads(proc.stdout.strip().splitlines()[-1])["largest_bytes"]
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-    assert hybrid.model_states(cell, total_params=225_000, largest_layer_params=65_536).bucket_bytes == largest
+    assert hybrid.model_states(cell, [225_000], largest_layer_params=65_536).bucket_bytes == largest
 
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:
@@ -637,7 +714,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/5"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/4"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/5"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

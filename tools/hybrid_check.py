@@ -110,7 +110,7 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
     if "offload" in cell.stack.names:
         return _offload_step(cell, counter, steps)
     cpu = GpuKind("cpu", "this CPU", (0, 0))  # no cuBLAS workspaces, no context: like for like
-    predicted = hybrid.assembled(cell, steps, 0.0, cpu)
+    predicted = hybrid.assembled(cell, steps, 0.0, cpu, cpu_check=True)
     return {"real_bytes": counter.peak.nbytes, "real_where": counter.peak.where,
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
             "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
@@ -118,22 +118,21 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
 
 
 def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
-    """ZeRO-2 with its optimizer offloaded: DeepSpeed's peak of every tensor (the GPU's and host's alike, on a
-    CPU) against the more of two moments: training (the hybrid's GPU training peak beside the host's
-    training tensors) and the step (the GPU's states and what the fake run keeps between steps, beside the
-    host's tensors in the step)."""
+    """The optimizer offloaded: DeepSpeed's peak of every tensor (the GPU's and host's alike, on a CPU)
+    against the more of two moments: training (the hybrid's GPU training peak beside the host's
+    training tensors) and the step (the GPU's states, its bucket if held, and what the fake run keeps
+    between steps, beside the host's tensors in the step), all as a CPU makes them (`cpu_check`)."""
     from bench import trainer
     from bench.predict import hybrid
 
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
-    adam = {u.name: u.opts for u in cell.stack.uses}["zero2"]["adam"]
-    states = hybrid.model_states(cell, sum(numels), hybrid.largest_layer_params(meta), max(numels))
+    states = hybrid.model_states(cell, numels, hybrid.largest_layer_params(meta), cpu_check=True)
     training = hybrid.training_peak(steps, states, hybrid.flat_partitions(numels, cell.gpus))
-    host_training = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False, in_step=False)[1]
-    host_step = hybrid.zero2_offload(sum(numels), max(numels), cell.gpus, adam, pinned=False)[1]
-    moments = {training.where: training.nbytes + host_training,
-               "optimizer step": states.step_bytes + hybrid.kept_between_steps(steps) + host_step}
+    bucket = states.bucket_bytes if states.bucket_in_step else 0
+    moments = {training.where: training.nbytes + states.host_training_bytes // cell.gpus,
+               "optimizer step": states.step_bytes + bucket + hybrid.kept_between_steps(steps)
+               + states.host_bytes // cell.gpus}
     where = max(moments, key=lambda k: moments[k])
     return {"real_bytes": counter.peak.nbytes, "real_where": f"{counter.peak.where} (GPU and host)", "bucket_bytes": 0,
             "hybrid_bytes": moments[where], "hybrid_where": f"{where} (GPU and host)"}
@@ -144,14 +143,14 @@ def _limit_zero3(live: int) -> None:
     from bench.engines import deepspeed
     from bench.predict import hybrid
 
-    config, phased = deepspeed.config, hybrid.phased
+    config = deepspeed.config
 
     def limited_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
         out = config(*args, **kwargs)
         out["zero_optimization"].update(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
         return out
     deepspeed.config = limited_config  # type: ignore[assignment]
-    hybrid.phased = lambda cell, params, _default: phased(cell, params, live)  # type: ignore[assignment]
+    hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

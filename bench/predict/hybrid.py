@@ -70,6 +70,7 @@ the suite keeps both at DeepSpeed's default).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,9 +82,10 @@ from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/4"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/5"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
-# gradients and partition moment by moment through backward, as its gradient hooks make them)
+# gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
+# gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -93,19 +95,28 @@ DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' default additional_buff
 
 @dataclass(frozen=True)
 class ModelStates:
-    """One cell's model states, bytes: per GPU phase by phase (`phased`), DeepSpeed's estimator's figure
-    for its stage, and the host's."""
+    """One cell's model states, bytes: per GPU phase by phase (`phased`, or with the optimizer offloaded
+    `zero2_offload`, `zero3_offload`), DeepSpeed's estimator's figure for its stage, and the host's."""
 
     gpu_bytes: int  # per GPU, DeepSpeed's estimator: the stage's states at their most (model_states_gib)
-    host_bytes: int  # the host's, all ranks of the cell together
+    host_bytes: int  # the host's, all ranks of the cell together, at its most (in the step)
     bucket_bytes: int  # the gradient reduction bucket, per GPU
     training_bytes: int  # per GPU, alive through forward and backward, besides the bucket and `partition_bytes`
     step_bytes: int  # per GPU, at the optimizer step's peak
     after_step_bytes: int  # per GPU, alive between steps
-    bucket_in_step: bool  # ZeRO-3 holds its bucket from initialize on; ZeRO-2 makes it for each backward
+    stage: int  # 2: the bucket made for each backward; 3: held from initialize on
     bucket_elements: int = 0  # the bucket's size in 16-bit gradients (the stack's `bucket`)
     partition_bytes: int = 0  # ZeRO-2's 16-bit gradient partition, from a backward's first reduction to its step
-    to_host: bool = False  # ZeRO-2 offload: a reduction sends each gradient to the host (an fp64 copy for its norm)
+    to_host: bool = False  # the optimizer offloaded: a reduction sends each gradient to the host (`ZeroBackward`)
+    host_training_bytes: int = 0  # the host's through forward and backward, all ranks together
+    gathered_bytes: int = 0  # ZeRO-3's weights gathered whole through forward, 16-bit (not in training_bytes)
+    params: int = 0  # the model's, all ranks together
+    ranks: int = 1
+    cpu_check: bool = False  # tools/hybrid_check.py: host and device one (copies between them no-ops), gloo's collectives
+
+    @property
+    def bucket_in_step(self) -> bool:
+        return self.stage == 3
 
 
 @dataclass(frozen=True)
@@ -188,73 +199,122 @@ def activation_cell(cell: Cell) -> Cell:
     return replace(cell, stack=Stack(kept), gpus=1)
 
 
-def model_states(cell: Cell, total_params: int, largest_layer_params: int, largest_param: int = 0) -> ModelStates:
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_check: bool = False) -> ModelStates:
+    """The cell's model states from its parameters' sizes (`numels`, in the model's order). `cpu_check`:
+    as DeepSpeed makes them on a CPU, whose host is its device (tools/hybrid_check.py)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    uses = _uses(cell)
+    uses, total_params, ranks = _uses(cell), sum(numels), cell.gpus
     offload = uses.get("offload", {})
     optimizer_offload, params_offload = bool(offload.get("optimizer")), bool(offload.get("params"))
-    if "zero3" in uses:
-        host, gpu, _ = estimate_zero3_model_states_mem_needs(
-            total_params, largest_layer_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
+    stage = 3 if "zero3" in uses else 2
+    engine = uses[f"zero{stage}"]
+    if stage == 3:
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params, largest_layer_params, num_gpus_per_node=ranks, cpu_offload=optimizer_offload,
             cpu_offload_params=params_offload, additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
     else:
-        host, gpu = estimate_zero2_model_states_mem_needs(
-            total_params, num_gpus_per_node=cell.gpus, cpu_offload=optimizer_offload,
+        _, gpu = estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node=ranks, cpu_offload=optimizer_offload,
             additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
     # The stack's bucket (DeepSpeed's default unless set), allocated whole in 16 bits whatever the model's
     # size (ZeRO-3 at initialize, ZeRO-2 at each backward's first gradient; tests/zero_bucket.py sees it)
-    elements = int(uses.get("zero3", uses.get("zero2", {}))["bucket"])
-    zero3 = "zero3" in uses
-    if optimizer_offload and not zero3:  # the tensors DeepSpeed makes, checked on a CPU (`zero2_offload`)
-        device, host_per_rank = zero2_offload(total_params, largest_param, cell.gpus, uses["zero2"]["adam"])
-        return ModelStates(int(gpu), cell.gpus * host_per_rank, 2 * elements, device, device, device,
-                           bucket_in_step=False, bucket_elements=elements, to_host=True)
-    if optimizer_offload or params_offload:  # ZeRO-3's: DeepSpeed's figure throughout, not checked
-        return ModelStates(int(gpu), int(host), 2 * elements, int(gpu), int(gpu), int(gpu), bucket_in_step=zero3,
-                           bucket_elements=elements)
-    training, step, after = phased(cell, total_params, int(DeepSpeedZeroConfig().max_live_parameters))
-    partition = 0 if zero3 else 2 * -(-total_params // cell.gpus)
-    return ModelStates(int(gpu), int(host), 2 * elements, training, step, after, bucket_in_step=zero3,
-                       bucket_elements=elements, partition_bytes=partition)
+    elements = int(engine["bucket"])
+    # ZeRO-3 gathers the weights whole for forward and backward on several ranks, or from the host (on a
+    # CPU, one rank's "gathering" from the host is no copy)
+    gathers = stage == 3 and (ranks > 1 or (params_offload and not cpu_check))
+    base = ModelStates(gpu_bytes=int(gpu), host_bytes=0, bucket_bytes=2 * elements, training_bytes=0, step_bytes=0,
+                       after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
+                       gathered_bytes=2 * min(total_params, max_live_parameters()) if gathers else 0,
+                       params=total_params)
+    if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
+        pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
+        if stage == 2:
+            device, host, host_training = zero2_offload(total_params, max(numels), ranks, engine["adam"], pin)
+        else:
+            device, host, host_training = zero3_offload(numels, ranks, engine["adam"], params_offload, pin)
+        return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
+                       after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
+    if params_offload:  # ZeRO-3 with its parameters alone on the host: DeepSpeed's figure, not checked
+        host, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params, largest_layer_params, num_gpus_per_node=ranks, cpu_offload=False,
+            cpu_offload_params=True, additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+        return replace(base, host_bytes=int(host), training_bytes=int(gpu), step_bytes=int(gpu),
+                       after_step_bytes=int(gpu), host_training_bytes=int(host), gathered_bytes=0)
+    training, step, after = phased(cell, total_params)
+    partition = 0 if stage == 3 else 2 * -(-total_params // ranks)
+    return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
 
 
-def zero2_offload(params: int, largest_param: int, ranks: int, adam: str, pinned: bool = True,
-                  in_step: bool = True) -> tuple[int, int]:
-    """(GPU, host per rank) bytes of ZeRO-2's model states with the optimizer on the host, as DeepSpeed
-    0.19.8 makes them (stage_1_and_2.py; checked on a CPU, `tools/hybrid_check.py`). The GPU keeps the
-    whole 16-bit weights (2 B/param) and a 16-bit buffer the size of the largest parameter, through which
-    each gradient goes to the host. Each rank's host keeps, for its partition of P/N parameters, pinned
-    (the suite's `pin_memory: true`; each a block of the next power of two, bench/predict/pinned.py):
-    fp32 master weights and their fp32 gradients (4 B each), a 16-bit copy of the weights (2) and a
-    16-bit buffer of the largest gradient; and pageable, AdamW's two moments (8) and, in torch's AdamW
-    step (`adam=torch`), one fp32 temporary (4; DeepSpeed's CPUAdam steps in place). The host's figure
-    is its most, in the step (`in_step=False`: through forward and backward; `pinned=False`: the bytes
-    themselves, as a CPU run makes them)."""
+def max_live_parameters() -> int:
+    """DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (both 1e9 by default; the
+    suite sets neither): on several ranks, about how many weights ZeRO-3 keeps gathered."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return int(DeepSpeedZeroConfig().max_live_parameters)
+
+
+def zero2_offload(params: int, largest_param: int, ranks: int, adam: str,
+                  pin: Callable[[int], int] = block_bytes) -> tuple[int, int, int]:
+    """(GPU, host in the step, host through forward and backward) bytes per rank of ZeRO-2's model
+    states with the optimizer on the host, as DeepSpeed 0.19.8 makes them (stage_1_and_2.py; checked on
+    a CPU, `tools/hybrid_check.py`). The GPU keeps the whole 16-bit weights (2 B/param) and a 16-bit
+    buffer the size of the largest parameter, through which each gradient goes to the host. Each rank's
+    host keeps, for its partition of P/N parameters, pinned (the suite's `pin_memory: true`; `pin`, each
+    a block of the next power of two, bench/predict/pinned.py): fp32 master weights and their fp32
+    gradients (4 B each), a 16-bit copy of the weights (2) and a 16-bit buffer of the largest gradient;
+    and pageable, AdamW's two moments (8) and, in torch's AdamW step (`adam=torch`), one fp32 temporary
+    (4; DeepSpeed's CPUAdam steps in place)."""
     part = -(-params // ranks)
-    pin = block_bytes if pinned else (lambda nbytes: nbytes)
-    host = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param)
-    host += 8 * part + (4 * part if adam == "torch" and in_step else 0)
-    return 2 * params + 2 * largest_param, host
+    training = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param) + 8 * part
+    return 2 * params + 2 * largest_param, training + (4 * part if adam == "torch" else 0), training
 
 
-def phased(cell: Cell, total_params: int, max_live_parameters: int) -> tuple[int, int, int]:
+def zero3_offload(numels: list[int], ranks: int, adam: str, params_offloaded: bool,
+                  pin: Callable[[int], int] = block_bytes) -> tuple[int, int, int]:
+    """(GPU, host in the step, host through forward and backward) bytes per rank of ZeRO-3's model
+    states with the optimizer on the host, as DeepSpeed 0.19.8 makes them (stage3.py; checked on a CPU,
+    `tools/hybrid_check.py`). Each parameter is partitioned alone: a rank holds ceil(n/N) of each.
+    The GPU keeps the 16-bit partition (2 B/param), unless the parameters are offloaded too (and the
+    weights it gathers: `ModelStates.gathered_bytes`). The host keeps, pinned (`pin`, as `zero2_offload`): the
+    16-bit partition if offloaded (one block), the 16-bit gradient partition (one block), and the fp32
+    gradients, one block per optimizer sub-group (`sub_groups`); pageable, the fp32 master weights (4)
+    and AdamW's moments (8). DeepSpeed steps one sub-group at a time: torch AdamW's fp32 temporary
+    (`adam=torch`) is the largest sub-group's (4 B each)."""
+    parts = [-(-n // ranks) for n in numels]
+    part, groups = sum(parts), sub_groups(parts)
+    device = 0 if params_offloaded else 2 * part
+    training = (pin(2 * part) if params_offloaded else 0) + pin(2 * part) + sum(pin(4 * g) for g in groups) + 12 * part
+    return device, training + (4 * max(groups) if adam == "torch" else 0), training
+
+
+def sub_groups(parts: list[int]) -> list[int]:
+    """The elements of each of ZeRO-3's optimizer sub-groups: the partitions, in order, closed when one
+    reaches DeepSpeed's `sub_group_size` (1e9; the suite does not set it)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    size, groups, now = int(DeepSpeedZeroConfig().sub_group_size), list[int](), 0
+    for n in parts:
+        now += n
+        if now >= size:
+            groups, now = [*groups, now], 0
+    return [*groups, now] if now else groups
+
+
+def phased(cell: Cell, total_params: int) -> tuple[int, int, int]:
     """(training, step, after step) bytes per GPU of a ZeRO stage without offload, bf16 with fp32 master
     weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
     of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
     adds its fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole
     (2 B/param) and, from a backward's first reduction to the step, the 16-bit gradient partition (2 B
     each: `ModelStates.partition_bytes`, not in training's figure). ZeRO-3 keeps both 16-bit partitions
-    throughout (4 B each) and, on several ranks, gathers the weights whole for forward and backward: up
-    to DeepSpeed's `stage3_max_live_parameters` of them alive at once."""
+    throughout (4 B each; and, on several ranks, the weights it gathers: `ModelStates.gathered_bytes`)."""
     params, ranks = total_params, cell.gpus
     partition = -(-params // ranks)
     if "zero3" in cell.stack.names:
         after = 16 * partition
-        gathered = 0 if ranks == 1 else 2 * min(params, max_live_parameters)
-        return after + gathered, after + 8 * partition, after
+        return after, after + 8 * partition, after
     after = 2 * params + 12 * partition
     return after, after + 8 * partition, after
 
@@ -273,20 +333,19 @@ TRAINING_PHASES = ("forward", "backward")
 def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tuple[tuple[int, ...], ...]) -> Peak:
     """The most bytes one rank holds in forward and backward: the training model states, plus the fake
     run's other bytes moment by moment (activations, temporaries, the batch, workspaces), plus the
-    engine's own. ZeRO-3 holds its bucket throughout. ZeRO-2's bucket, gradient partition and gradients
-    come and go with backward's gradients (`Zero2Backward`), so they meet the activations only where
-    the trace says they do, not at their most."""
-    if states.bucket_in_step:
-        rest = counter.peak_of_roles_except(MODEL_STATE_ROLES, phases=TRAINING_PHASES)
-        return replace(rest, nbytes=states.training_bytes + states.bucket_bytes + rest.nbytes)
+    engine's own (`ZeroBackward`): its bucket, and what its gradient hooks hold and reduce, placed
+    where the same hooks fire in the fake run's trace, so they meet the activations only where the
+    trace says they do, not at their most."""
     # the gradients' hooks run between events: each sorts before the event it precedes
     timeline = sorted([((m.event, 1), m, None) for m in counter.moments_of_roles_except(MODEL_STATE_ROLES)]
                       + [((g.event, 0), None, g) for g in counter.gradients_ready], key=lambda item: item[0])
     peak, live, backward = Peak(), 0, None
+    # ZeRO-3's bucket, from initialize on, and in forward its gathered weights
+    outside_backward = (states.bucket_bytes if states.bucket_in_step else 0) + states.gathered_bytes
     where = ""
     for _, moment, gradient in timeline:
         if gradient is not None:  # a hook, in backward
-            backward = backward or Zero2Backward(states, partitions_of)
+            backward = backward or ZeroBackward(states, partitions_of)
             peak = _more(peak, states.training_bytes + live + backward.hook(gradient), where, "gradient hook")
             continue
         assert moment is not None
@@ -295,10 +354,10 @@ def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tu
             peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
             backward = None
         if phase == "backward" and backward is None:
-            backward = Zero2Backward(states, partitions_of)
+            backward = ZeroBackward(states, partitions_of)
         live, where = moment.live_bytes, moment.where or where
         if moment.allocated and phase in TRAINING_PHASES:
-            engine = backward.alive_bytes() if backward is not None else 0
+            engine = backward.alive_bytes() if backward is not None else outside_backward
             peak = _more(peak, states.training_bytes + live + engine, where, moment.op, moment.event)
     if backward is not None:
         peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
@@ -309,36 +368,41 @@ def _more(peak: Peak, nbytes: int, where: str, op: str, event: int = -1) -> Peak
     return Peak(nbytes, event, where, op) if nbytes > peak.nbytes else peak
 
 
-@dataclass
-class Zero2Backward:
-    """What ZeRO-2's engine holds on one rank through one backward, besides the training states, as its
-    gradient hooks allocate it (DeepSpeed 0.19.8, stage_1_and_2.py: contiguous gradients, no overlap):
+NORM_CHUNK_ELEMENTS = 250_000_000  # ZeRO-3's gradient norm casts a partition to fp64 this many elements at a time
 
-    - the bucket (`reduce_bucket_size` 16-bit elements) is made at the first gradient's hook;
+
+@dataclass
+class ZeroBackward:
+    """What a ZeRO engine holds on one rank through one backward, besides the training states, as its
+    gradient hooks allocate it (DeepSpeed 0.19.8, stage_1_and_2.py and stage3.py: contiguous gradients,
+    no overlap):
+
+    - the bucket (`reduce_bucket_size` 16-bit elements): ZeRO-2 makes it at the first gradient's hook,
+      ZeRO-3 holds it from initialize on;
+    - ZeRO-3's gathered weights (`ModelStates.gathered_bytes`): each is released after its module's
+      backward, here at its gradient's hook; so no more are held than the weights yet to be hooked;
     - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
       hook. One larger than the bucket waits, alone, for the next reduction;
-    - a gradient that would overflow the bucket first reduces it. On several ranks the reduction
-      flattens the bucket's gradients into one temporary, unless they all fall in one rank's partition
-      (then it is a view). Then, at the first reduction, the rank's 16-bit gradient partition (2P/N
-      bytes) is made, and kept to the step (the rank whose gradients come first in backward; the others
-      make theirs later);
-    - backward's end reduces what is left: a model smaller than the bucket makes its partition only
-      there, when the activations are gone;
-    - with the optimizer offloaded there is no partition on the GPU: a reduction takes each gradient of
-      this rank's in turn, makes an fp64 copy of it on the GPU for its norm (DeepSpeed's norms accumulate
-      in fp64), frees it, and copies the gradient to the host's fp32 gradients through an fp32 copy.
+    - a gradient that would overflow the bucket first reduces it, and backward's end reduces what is
+      left (`_reduce`).
 
-    `partitions_of[i]`: the ranks whose partitions parameter i's gradient falls in (`flat_partitions`)."""
+    `partitions_of[i]`: the ranks whose ZeRO-2 partitions parameter i's gradient falls in (`flat_partitions`)."""
 
     states: ModelStates
     partitions_of: tuple[tuple[int, ...], ...]
     bucket_bytes: int = 0
     partition_bytes: int = 0
+    hooked_elements: int = 0  # the parameters whose gradients' hooks have run
     filled: list[GradientReady] = field(default_factory=list)  # since the last reduction, in order
+
+    def __post_init__(self) -> None:
+        if self.states.bucket_in_step:
+            self.bucket_bytes = self.states.bucket_bytes
 
     def alive_bytes(self) -> int:
         held = sum(g.nbytes for g in self.filled if g.elements > self.states.bucket_elements)
-        return self.bucket_bytes + self.partition_bytes + held
+        gathered = min(self.states.gathered_bytes, 2 * max(self.states.params - self.hooked_elements, 0))
+        return self.bucket_bytes + self.partition_bytes + held + gathered
 
     def hook(self, gradient: GradientReady) -> int:
         """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included."""
@@ -348,6 +412,7 @@ class Zero2Backward:
             most = self._reduce(waiting_bytes=gradient.nbytes)
         most = max(most, gradient.nbytes + self.alive_bytes())
         self.filled.append(gradient)
+        self.hooked_elements += gradient.elements  # its weight released after its module (ZeRO-3)
         return most
 
     def epilogue(self) -> int:
@@ -355,18 +420,45 @@ class Zero2Backward:
         return max(self._reduce(waiting_bytes=0), self.alive_bytes())
 
     def _reduce(self, waiting_bytes: int) -> int:
-        """The bucket reduced and this rank's share copied into its partition: the most bytes held."""
+        """The bucket reduced and this rank's share kept: the most bytes held meanwhile."""
         if not self.filled:
             return 0
-        ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
-        flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
-        most = waiting_bytes + self.alive_bytes() + flattened
-        if self.states.to_host:  # the largest gradient's fp64 copy for its norm (all of it: the most-loaded rank)
-            most = max(most, waiting_bytes + self.alive_bytes() + 8 * max(g.elements for g in self.filled))
-        self.partition_bytes = self.states.partition_bytes
+        most = waiting_bytes + self.alive_bytes() + (self._reduced_2() if self.states.stage == 2 else self._reduced_3())
+        self.partition_bytes = self.states.partition_bytes  # ZeRO-2's, made at the first reduction
         most = max(most, waiting_bytes + self.alive_bytes())  # the partition made, a large gradient still held
         self.filled = []
         return most
+
+    def _reduced_2(self) -> int:
+        """ZeRO-2's reduction, besides what is alive: on several ranks, gradients that span two partitions
+        are first flattened into one temporary (within one partition the bucket's view is reduced). Then
+        the rank's share is copied into its 16-bit gradient partition, or with the optimizer offloaded
+        each of its gradients in turn goes to the host, through an fp64 copy on the GPU for its norm
+        (DeepSpeed's norms accumulate in fp64): the largest's sets the moment (all of it: the
+        most-loaded rank)."""
+        ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
+        flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
+        to_host = 8 * max(g.elements for g in self.filled) if self.states.to_host else 0
+        return max(flattened, to_host)
+
+    def _reduced_3(self) -> int:
+        """ZeRO-3's reduction (`reduce_scatter_coalesced`), besides what is alive: the gradients
+        interleaved by rank, each padded to a multiple of N, into one 16-bit temporary (none for a
+        single gradient N divides), reduce-scattered; the rank's partitions are views of it. Without
+        offload each is copied into the rank's gradient partition (in the training states). With the
+        optimizer offloaded, each in turn is copied to the host's 16-bit partition, back to the GPU
+        (2 B each), cast to fp64 for its norm 250M elements at a time (8 B each), then to fp32 (4 B
+        each) for the host's fp32 gradients: the largest partition's sets the moment. A CPU check has no
+        copies between host and device, and gloo's reduce-scatter copies its input."""
+        ranks = self.states.ranks
+        single = len(self.filled) == 1 and self.filled[0].elements % ranks == 0
+        flat = 0 if single else 2 * sum(-(-g.elements // ranks) * ranks for g in self.filled)
+        gloo = (flat or self.filled[0].nbytes) if self.states.cpu_check else 0
+        if not self.states.to_host:
+            return flat + gloo
+        back = 0 if self.states.cpu_check else 2
+        parts = [-(-g.elements // ranks) for g in self.filled]
+        return max(flat + gloo, flat + max(back * p + max(8 * min(p, NORM_CHUNK_ELEMENTS), 4 * p) for p in parts))
 
 
 def flat_partitions(numels: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:
@@ -429,12 +521,14 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     return {**assembled(cell, counter, max(caching_gib, 0.0), gpu), "flops_per_token": built.flops_per_token}
 
 
-def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKind) -> dict[str, Any]:
+def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKind,
+              cpu_check: bool = False) -> dict[str, Any]:
     """The hybrid's columns from the fake run of the cell without its engine (`counter`): DeepSpeed's
-    model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's."""
+    model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's.
+    `cpu_check`: as DeepSpeed's engine makes them on a CPU (tools/hybrid_check.py; `model_states`)."""
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
-    states = model_states(cell, sum(numels), largest_layer_params(meta), max(numels))
+    states = model_states(cell, numels, largest_layer_params(meta), cpu_check)
     training = training_peak(counter, states, flat_partitions(numels, cell.gpus))
     out = hybrid_columns(cell, training, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, numels, out),
