@@ -7,9 +7,11 @@ DeepSpeed trains the cell three steps on real CPU tensors under the predictor's 
 allocation, 512 B blocks), the most of any rank taken; and the hybrid (bench/predict/hybrid.py)
 assembles the same cell from its model states phase by phase, its bucket and the fake run of the cell
 without its engine, with neither side counting a GPU's cuBLAS workspaces or kernel scratch.
-`offload + zero2` (`zero2_offload`): on a CPU the "host" is the device, so the GPU's and the host's
-tensors together, the host's unpinned (a CPU does not pin), at the more of training and the optimizer
-step, against DeepSpeed's peak of all its tensors.
+The offload stacks (`zero2_offload`, `zero3_offload`): on a CPU the "host" is the device, so the GPU's
+and the host's tensors together, the host's unpinned (a CPU does not pin), no copies between host and
+device (DeepSpeed's `.to(device)` of a host tensor is itself), at the more of training and the optimizer
+step, against DeepSpeed's peak of all its tensors. Both sides reduce-scatter through gloo, which copies
+its input (`ModelStates.cpu_check`).
 A model is a registry name or a config.json.
 
 `--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
@@ -37,7 +39,7 @@ def main() -> None:
     parser.add_argument("model", help="a registry name (bench/model_configs) or a config.json")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--stacks", default="zero2,zero3", help="comma list of ZeRO stacks without offload")
+    parser.add_argument("--stacks", default="zero2,zero3", help="comma list of ZeRO stacks (default zero2,zero3)")
     parser.add_argument("--ranks", type=int, default=1, help="gloo ranks, one process each (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON line per stack instead of the table")
     parser.add_argument("--zero3-live", type=int, help="ZeRO-3's max live parameters and max reuse distance (default 1e9)")

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/4: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/5: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -6,21 +6,20 @@ so a ZeRO cell's memory is assembled from two sources:
 - **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU, phase by
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
   optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
-  ZeRO-2 with its optimizer offloaded: the tensors DeepSpeed makes on the GPU and on the host
-  (`zero2_offload`; on a CPU, whose host is the device, checked with both together at their peak). ZeRO-3's
-  offload stacks keep DeepSpeed's own accounting throughout: `estimate_zero3_model_states_mem_needs`,
-  fed the cell's parameter count, largest layer, ranks and offload choices; its host RAM is DeepSpeed's
-  figure with its default `additional_buffer_factor` (1.5, DeepSpeed's allowance for pinned buffers
-  and copies). Host RAM adds one worker process per rank. The estimator's GPU figure (for ZeRO-2
-  `estimate_zero2_model_states_mem_needs`) stays in `model_states_gib`;
+  With the optimizer offloaded, the tensors DeepSpeed makes on the GPU and on the host (`zero2_offload`,
+  `zero3_offload`; on a CPU, whose host is the device, checked with both together at their peak). Only
+  ZeRO-3 with its parameters offloaded and its optimizer not keeps DeepSpeed's own accounting
+  (`estimate_zero3_model_states_mem_needs`, host RAM with its `additional_buffer_factor` of 1.5). Host RAM
+  adds one worker process per rank. The estimator's GPU figure stays in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
   engine techniques taken out (zero2/zero3/offload), moment by moment through forward and backward:
   DeepSpeed trains the bf16 model the same way, so what forward and backward allocate besides the
   model states is the same. In the step, only what it keeps between steps;
-- plus what the engine makes in backward: the **gradient reduction bucket** (`reduce_bucket_size`
-  16-bit elements, the stack's `bucket`), ZeRO-3's from initialize on; ZeRO-2's, its gradients and
-  its 16-bit gradient partition as its gradient hooks make them (`Zero2Backward`), placed in the fake
-  run's trace where the same hooks fire (`MemoryCounter.watch_gradients`).
+- plus what the engine makes in forward and backward (`ZeroBackward`), placed in the fake run's trace
+  where its gradient hooks fire (`MemoryCounter.watch_gradients`): the **gradient reduction bucket**
+  (`reduce_bucket_size` 16-bit elements, the stack's `bucket`; ZeRO-3's from initialize on, ZeRO-2's
+  from backward's first gradient), each gradient until its hook, the reductions' temporaries, ZeRO-2's
+  16-bit gradient partition, and ZeRO-3's gathered weights, released in backward.
 
 Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved
 adds the fake run's own reserved-minus-allocated (the allocator's caching). And the build (`Build`):
@@ -30,44 +29,40 @@ reports its error as soon as they are.
 
 Checked against DeepSpeed's real engine on a CPU (`tools/hybrid_check.py`: one or two gloo ranks, three
 steps under the same counter, no GPU workspaces on either side; DeepSpeed 0.19.8, torch 2.13.0+cpu),
-peak allocated, hybrid/4 (hybrid/3 in brackets):
+peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5:
 
-- a 62M-parameter Llama (hidden 1024, 4 layers), seq 256, batch 2: one rank ZeRO-2 +0.0% (+7.3%), ZeRO-3
-  +0.0% (+0.0%); two ranks ZeRO-2 -0.0% (+5.1%), ZeRO-3 -2.4% (-2.4%);
-- the same model at seq 1024, batch 4, where every peak is in backward, on one and two ranks: ZeRO-2,
-  ZeRO-3, and ZeRO-2 with 20M- and 5M-element buckets (reduced in mid-backward; the embedding's
-  8.4M-element gradient waits for the next reduction): all +0.0% or -0.0%, to a tenth of a percent;
-- Qwen2.5-0.5B, seq 256, batch 2, one rank: ZeRO-2 10.122 GiB measured, 10.122 predicted (hybrid/2: 11.66,
-  +15.2%); ZeRO-3 11.974 measured, 11.974 predicted (hybrid/2: 11.25, -6.0%);
-- `offload + zero2` and `gc + offload + zero2`, the 62M Llama, GPU and host tensors together at their
-  peak (in backward): seq 256, batch 2, one rank 2.219 = 2.219 and 2.178 = 2.178 GiB (-1.4% without the
-  fp64 norm copy of `Zero2Backward`), two ranks 1.712 = 1.712 both; seq 1024, batch 4, one rank 2.882 =
-  2.882 and 2.366 = 2.366. The host's tensors are 18 B/param through training and 22 in torch AdamW's
-  step (hybrid/3 used DeepSpeed's estimator: 16 B/param x 1.5).
+- a 62M-parameter Llama (hidden 1024, 4 layers) at seq 1024, batch 4, where every peak is in backward,
+  on one and two ranks: `zero2`, `offload + zero2`, `zero3`, `zero3 + offload`, `zero3 +
+  offload(params=true)`, `gc + zero3 + offload(params=true)` and `zero3(bucket=5000000) +
+  offload(params=true)`: all within 0.05% (one rank 2.505, 2.882, 2.933, 3.164, 3.164, 2.522, 2.242 GiB);
+- the same model at seq 256, batch 2: one rank, all exact too; two ranks, ZeRO-2 exact, ZeRO-3 -0.9% to
+  -4.7% where DeepSpeed peaks in forward (below);
+- Qwen2.5-0.5B, seq 256, batch 2, one rank: `zero2` 10.122 GiB, `zero3` 11.974, `zero3 +
+  offload(params=true)` 12.068, each within 24 KB (hybrid/2 was +15.2% and -6.0% on the first two).
 
-hybrid/2 added the estimator's states at their most (ZeRO-2: 20 B/param, counting both 16-bit gradients
-and the fp32 gradient partition) to the activations' peak. But the fp32 gradients exist only in the
-step, when the activations are gone; and the step makes what the estimator leaves out: ZeRO-3's fp32
-gradient partition and AdamW's temporary beside all the states (its peak, in the step: 24 B/param on
-one rank, bucket aside, against the estimator's 18 plus the largest layer). hybrid/3 counted ZeRO-2's
-bucket and gradient partition beside the activations' peak; but the bucket comes at backward's first
-gradient, after the loss's backward (often the activations' peak), and the partition at the first
-reduction: for a model smaller than the bucket, at backward's end. What hybrid/4 still misses: ZeRO-3
-on several ranks gathers the weights for forward and backward, counted as up to
-`stage3_max_live_parameters` 16-bit weights alive. DeepSpeed gathers them, `stage3_prefetch_bucket_size`
-elements (5e7) at a time, into one flat all-gather buffer, then copies each weight out of it; the
-buffer lives until the last of its weights is used. On two gloo ranks that buffer is the -2.4% above
-(the 62M Llama: 101 MB, 50.6M elements, freed near forward's end; a 44M Llama with 12 layers: 88 MB,
-all its weights, -2.4% too). Below `stage3_max_reuse_distance` (1e9 parameters) DeepSpeed keeps every
-weight gathered through forward: it releases one after its module only if the weights used before its
-next use (in backward) reach that many. A model larger than that and its `stage3_max_live_parameters`
-(1e9 too) keeps about that many gathered: with both limits set to N (`tools/hybrid_check.py
---zero3-live N`) on two ranks, the 44M Llama at seq 256 held 11.3 MB gathered at its peak with N = 5.5M
-(the hybrid counts 2N = 11.0 MB; whole peak -0.0%), -0.1% with N = 20M, and the 62M Llama at seq 1024,
-batch 4, -0.3% with N = 5M. Lowering one limit alone keeps them all gathered (not what `phased` counts:
-the suite keeps both at DeepSpeed's default).
+What each version fixed: hybrid/2 added the estimator's states at their most to the activations' peak;
+but the fp32 gradients exist only in the step, when the activations are gone, and the step makes what
+the estimator leaves out (fp32 gradient partition and AdamW's temporary beside every state: ZeRO-3's
+24 B/param on one rank). hybrid/3 counted ZeRO-2's bucket and gradient partition beside the activations'
+peak; but the bucket comes at backward's first gradient, after the loss's backward, and the partition
+at the first reduction (hybrid/4 placed them, +7.3% to +0.0%). hybrid/5 does the same for ZeRO-3 and
+counts its offload's tensors: the estimator's x 1.5 put the host of Llama-3.2-3B's `zero3 +
+offload(params=true)` at 82.3 GiB, the tensors at 70.2; and it releases the gathered weights in
+backward (without it two ranks were +3%).
+
+What hybrid/5 still misses: ZeRO-3 on several ranks gathers its weights `stage3_prefetch_bucket_size`
+elements (5e7) at a time into one flat all-gather buffer, then copies each weight out of it; the buffer
+lives until the last of its weights is fetched by its module. Where DeepSpeed peaks in forward on
+several ranks, those buffers are the miss (the 62M Llama on two ranks at seq 256: -2.4%, about 100 MB).
+Below `stage3_max_reuse_distance` (1e9 parameters) DeepSpeed keeps every weight gathered through
+forward: it releases one after its module only if the weights used before its next use (in backward)
+reach that many. A model larger than that and its `stage3_max_live_parameters` (1e9 too) keeps about
+that many gathered: with both limits set to N (`tools/hybrid_check.py --zero3-live N`) on two ranks,
+the 44M Llama at seq 256 held 11.3 MB gathered at its peak with N = 5.5M (the hybrid counts 2N = 11.0
+MB; whole peak -0.0%), and the 62M Llama at seq 1024, batch 4, -0.3% with N = 5M (`zero3`, `zero3 +
+offload(params=true)`, `gc + zero3 + offload(params=true)` alike). Lowering one limit alone keeps them
+all gathered (not what `max_live_parameters` says: the suite keeps both at DeepSpeed's default).
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -5,8 +5,8 @@ Saves: GPU memory of the fp32 master weights and Adam states (12 B/param) with `
 of the parameters between uses with `params=true` (ZeRO-3 or FSDP). Costs: host RAM (it moves memory,
 it does not remove it: read host_rss_peak_gib), PCIe traffic every step, and the optimizer step on the
 CPU (torch AdamW by default; `zero?(adam=deepspeed)` uses DeepSpeed's JIT-built CPUAdam, much faster).
-Needs CUDA: on a CPU-only cell there is nothing to offload from. Predicted: under ZeRO from DeepSpeed's
-own accounting (bench/predict/hybrid.py); under FSDP2 by the fake run, each host crossing counted where
+Needs CUDA: on a CPU-only cell there is nothing to offload from. Predicted: under ZeRO from the tensors
+DeepSpeed makes on the GPU and the host (bench/predict/hybrid.py); under FSDP2 by the fake run, each host crossing counted where
 FSDP makes it (bench/predict/fsdp_offload.py).
 """
 
