@@ -219,7 +219,8 @@ def _training_bytes(stack: str, params: int, ranks: int, largest_layer: int, lar
     return {"zero2": 2 * params + 12 * part,  # whole 16-bit weights; fp32 master weights and both moments
             "zero3": 16 * part,  # all partitioned (the weights gathered apart)
             "offload + zero2": 2 * params + 2 * largest_param,  # 16-bit weights; the gradients' way to the host
-            "gc + offload(params=true) + zero3": 0}[stack]  # all on the host (the weights gathered apart)
+            "gc + offload(params=true) + zero3": 0,  # all on the host (the weights gathered apart)
+            "offload(optimizer=false, params=true) + zero3": 14 * part}[stack]  # the 16-bit weights on the host
 
 
 def _pinned(nbytes: int) -> int:
@@ -232,6 +233,7 @@ def _pinned(nbytes: int) -> int:
     ("zero3", 2, 18 / 2),  # + the largest layer's 16-bit weights and gradients
     ("offload + zero2", 2, 2),  # the host: the tensors DeepSpeed makes there (below)
     ("gc + offload(params=true) + zero3", 1, 0),  # the estimator: the largest layer gathered
+    ("offload(optimizer=false, params=true) + zero3", 1, 18),  # + the largest layer
 ])
 def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other_bytes(
         stack: str, ranks: int, estimator_b_per_param: float) -> None:
@@ -265,7 +267,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     states = _training_bytes(stack, params, ranks, largest_layer, largest_param)
     # ZeRO-3 gathers every weight (fewer than 1e9) for forward, on two ranks or from the host; in backward
     # each is released after its module
-    gathered = 2 * params if stack != "zero2" and "zero3" in stack and (ranks > 1 or "offload" in stack) else 0
+    gathered = 2 * params if "zero3" in stack and (ranks > 1 or "offload" in stack) else 0
     last = counter.steps[-1]  # backward's end: the batch and a few small tensors besides the states
     at_end = sum(r.nbytes for r in counter.alive_at(last.event) if r.role not in hybrid.MODEL_STATE_ROLES)
     largest_gradient = max(g.nbytes for g in counter.gradients_ready)
@@ -274,7 +276,8 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     # copy); ZeRO-3's gradients interleaved into one 16-bit temporary, padded per parameter (offloaded:
     # + the largest partition back on the GPU, in fp64 for its norm)
     reduction = {"zero2": 2 * part, "offload + zero2": 8 * largest_param,
-                 "zero3": 2 * sum(-(-n // ranks) * ranks for n in numels)}.get(stack, 2 * params + 10 * largest_param)
+                 "gc + offload(params=true) + zero3": 2 * params + 10 * largest_param}.get(
+                     stack, 2 * sum(-(-n // ranks) * ranks for n in numels))
     peak = found["peak_allocated_gib"] * 2**30
     assert states + bucket + at_end + reduction <= peak
     if "zero3" in stack:  # its bucket held from initialize on; ZeRO-2's is made after the loss's backward
@@ -284,11 +287,12 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     pinned = {  # per rank, pinned host blocks: ZeRO-2 fp32 master weights and gradients, 16-bit weights, the
         # largest gradient's buffer; ZeRO-3 16-bit weights and gradients, fp32 gradients
         "offload + zero2": 2 * _pinned(4 * part) + _pinned(2 * part) + _pinned(2 * largest_param),
-        "gc + offload(params=true) + zero3": 2 * _pinned(2 * part) + _pinned(4 * part)}
+        "gc + offload(params=true) + zero3": 2 * _pinned(2 * part) + _pinned(4 * part),
+        "offload(optimizer=false, params=true) + zero3": _pinned(2 * part)}
     if "offload" not in stack:
         assert "host_peak_gib" not in found
     else:  # + pageable: the fp32 master weights (ZeRO-3), AdamW's moments, its step's fp32 temporary
-        pageable = (16 if "zero3" in stack else 12) * part
+        pageable = {"offload + zero2": 12, "gc + offload(params=true) + zero3": 16}.get(stack, 0) * part
         assert found["host_peak_gib"] == pytest.approx(ranks * (pinned[stack] + pageable) / 2**30 + processes_gib)
 
 
@@ -445,11 +449,13 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("ranks", "stacks", "zero3_live"), [
-    (1, "zero2,zero3,zero2(bucket=5000000),offload + zero2,zero3(bucket=5000000) + offload(params=true)", None),
-    (2, "zero2,zero2(bucket=20000000),gc + zero3 + offload(params=true)", None),
-    (2, "zero3,zero3 + offload", 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
+    (1, ("zero2", "zero3", "zero2(bucket=5000000)", "offload + zero2", "zero3(bucket=5000000) + offload(params=true)"),
+     None),
+    (2, ("zero2", "zero2(bucket=20000000)", "gc + zero3 + offload(params=true)",
+         "zero3 + offload(optimizer=false, params=true)"), None),
+    (2, ("zero3", "zero3 + offload"), 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
 ])
-def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: int, stacks: str,
+def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: int, stacks: tuple[str, ...],
                                                           zero3_live: int | None) -> None:
     """tools/hybrid_check.py on a 62M-parameter Llama (seq 1024, batch 4, where every peak is in backward),
     one and two gloo ranks: DeepSpeed's real engine under the same counter against the hybrid, peak
@@ -464,12 +470,12 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: 
                   num_key_value_heads=4, head_dim=64, vocab_size=8192)
     (tmp_path / "mid-llama.json").write_text(json.dumps(config))
     done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(tmp_path / "mid-llama.json"),
-                           "--seq", "1024", "--batch", "4", "--ranks", str(ranks), "--stacks", stacks, "--json",
+                           "--seq", "1024", "--batch", "4", "--ranks", str(ranks), "--stacks", ",".join(stacks), "--json",
                            *(["--zero3-live", str(zero3_live)] if zero3_live else [])],
                           capture_output=True, text=True, cwd=REPO, timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["stack"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
-    assert set(rows) == set(stacks.split(","))
+    assert set(rows) == set(stacks)
     for stack, r in rows.items():
         error = (r["hybrid_bytes"] - r["bucket_bytes"]) / (r["real_bytes"] - r["bucket_bytes"]) - 1
         assert abs(error) < 0.01, (stack, error)

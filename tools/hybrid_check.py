@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -53,7 +54,7 @@ def main() -> None:
         print("| stack | DeepSpeed | hybrid | error | DeepSpeed less its bucket | hybrid less its bucket | error "
               "| peak: DeepSpeed's, the hybrid's |")
         print("|---|---|---|---|---|---|---|---|")
-    for stack in args.stacks.split(","):
+    for stack in stack_list(args.stacks):
         rows = _ranks(args, stack)
         top = max(rows, key=lambda r: r["real_bytes"])
         real, hybrid, bucket = top["real_bytes"], rows[0]["hybrid_bytes"], rows[0]["bucket_bytes"]
@@ -64,6 +65,11 @@ def main() -> None:
         print(f"| `{stack}` | {real / GIB:.3f} | {hybrid / GIB:.3f} | {hybrid / real - 1:+.1%} | "
               f"{(real - bucket) / GIB:.3f} | {(hybrid - bucket) / GIB:.3f} | {(hybrid - bucket) / (real - bucket) - 1:+.1%} | "
               f"{top['real_where']}, {rows[0]['hybrid_where']} |")
+
+
+def stack_list(text: str) -> list[str]:
+    """The comma list's stacks; a comma inside an option's brackets is the option's."""
+    return [stack.strip() for stack in re.split(r",(?![^()]*\))", text)]
 
 
 def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:

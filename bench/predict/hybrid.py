@@ -7,10 +7,10 @@ so a ZeRO cell's memory is assembled from two sources:
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
   optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
   With the optimizer offloaded, the tensors DeepSpeed makes on the GPU and on the host (`zero2_offload`,
-  `zero3_offload`; on a CPU, whose host is the device, checked with both together at their peak). Only
-  ZeRO-3 with its parameters offloaded and its optimizer not keeps DeepSpeed's own accounting
-  (`estimate_zero3_model_states_mem_needs`, host RAM with its `additional_buffer_factor` of 1.5). Host RAM
-  adds one worker process per rank. The estimator's GPU figure stays in `model_states_gib`;
+  `zero3_offload`; on a CPU, whose host is the device, checked with both together at their peak); with
+  ZeRO-3's parameters alone offloaded, its 16-bit partition moves to the host. Host RAM adds one worker
+  process per rank. DeepSpeed's estimator's GPU figure (`estimate_zero3_model_states_mem_needs`) stays
+  in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
   engine techniques taken out (zero2/zero3/offload), moment by moment through forward and backward:
   DeepSpeed trains the bf16 model the same way, so what forward and backward allocate besides the
@@ -85,7 +85,6 @@ ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
 WORKER_PROCESS_GIB = 1.53
-DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' default additional_buffer_factor for host RAM
 
 
 @dataclass(frozen=True)
@@ -208,11 +207,10 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
     if stage == 3:
         _, gpu, _ = estimate_zero3_model_states_mem_needs(
             total_params, largest_layer_params, num_gpus_per_node=ranks, cpu_offload=optimizer_offload,
-            cpu_offload_params=params_offload, additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+            cpu_offload_params=params_offload)
     else:
         _, gpu = estimate_zero2_model_states_mem_needs(
-            total_params, num_gpus_per_node=ranks, cpu_offload=optimizer_offload,
-            additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+            total_params, num_gpus_per_node=ranks, cpu_offload=optimizer_offload)
     # The stack's bucket (DeepSpeed's default unless set), allocated whole in 16 bits whatever the model's
     # size (ZeRO-3 at initialize, ZeRO-2 at each backward's first gradient; tests/zero_bucket.py sees it)
     elements = int(engine["bucket"])
@@ -223,20 +221,19 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
                        after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
                        gathered_bytes=2 * min(total_params, max_live_parameters()) if gathers else 0,
                        params=total_params)
+    pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
     if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
-        pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
         if stage == 2:
             device, host, host_training = zero2_offload(total_params, max(numels), ranks, engine["adam"], pin)
         else:
             device, host, host_training = zero3_offload(numels, ranks, engine["adam"], params_offload, pin)
         return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
-    if params_offload:  # ZeRO-3 with its parameters alone on the host: DeepSpeed's figure, not checked
-        host, gpu, _ = estimate_zero3_model_states_mem_needs(
-            total_params, largest_layer_params, num_gpus_per_node=ranks, cpu_offload=False,
-            cpu_offload_params=True, additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
-        return replace(base, host_bytes=int(host), training_bytes=int(gpu), step_bytes=int(gpu),
-                       after_step_bytes=int(gpu), host_training_bytes=int(host), gathered_bytes=0)
+    if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
+        host = pin(2 * -(-total_params // ranks))
+        training, step, after = (nbytes - 2 * -(-total_params // ranks) for nbytes in phased(cell, total_params))
+        return replace(base, host_bytes=ranks * host, training_bytes=training, step_bytes=step,
+                       after_step_bytes=after, host_training_bytes=ranks * host)
     training, step, after = phased(cell, total_params)
     partition = 0 if stage == 3 else 2 * -(-total_params // ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
