@@ -174,11 +174,16 @@ def _predicted_lines(a: Answer) -> list[str]:
         lines.append(f"  smallest card   {p['least_card_gib']:8.2f} GiB  on which the step still runs: the allocator "
                      "releasing its cache and retrying (each a device synchronisation) where a segment does not fit"
                      f"{_under_a_fraction(a.cell)}")
-    at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
-    lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
+    hybrid = str(p.get("prediction_method", "")).startswith("hybrid")
+    if hybrid:  # no per-role breakdown: the model states are counted beside the fake run, not in it
+        lines.append(f"  at the peak     DeepSpeed's model states as its engine makes them (its bucket "
+                     f"{p.get('buckets_gib') or 0:.2f} GiB) + the fake run's other bytes, without its engine")
+    else:
+        at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
+        lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
     if p.get("host_peak_gib") is not None:
-        lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  offload's pinned copies and "
-                     "worker processes")
+        held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
+        lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  {held} and worker processes")
     return lines
 
 

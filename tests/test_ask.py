@@ -177,3 +177,14 @@ def test_the_largest_search_says_when_a_size_failed_below_one_that_fits() -> Non
     assert "not monotone: 5 (24.50 GiB) not fitting, below 6 (23.90 GiB) fitting" in text
     del answers[5]
     assert "not monotone" not in ask.largest_text(found)
+
+
+def test_a_zero_cell_is_answered_as_a_hybrid_with_its_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ZeRO cell's prediction is a hybrid (bench/predict/hybrid.py): it names what its peak is made of
+    instead of a per-role breakdown it does not have, and its host RAM as DeepSpeed's offloaded states."""
+    pytest.importorskip("deepspeed")
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "gc + zero3 + offload(params=true)")
+    assert code == 0, out
+    assert "(hybrid/" in out and "DeepSpeed's model states as its engine makes them (its bucket 0.93 GiB)" in out
+    assert "weights 0.00" not in out
+    assert "DeepSpeed's offloaded states (pinned and pageable) and worker processes" in out

@@ -230,10 +230,10 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
         return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
     if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
-        host = pin(2 * -(-total_params // ranks))
-        training, step, after = (nbytes - 2 * -(-total_params // ranks) for nbytes in phased(cell, total_params))
-        return replace(base, host_bytes=ranks * host, training_bytes=training, step_bytes=step,
-                       after_step_bytes=after, host_training_bytes=ranks * host)
+        weights = 2 * -(-total_params // ranks)
+        training, step, after = (nbytes - weights for nbytes in phased(cell, total_params))
+        return replace(base, host_bytes=ranks * pin(weights), training_bytes=training, step_bytes=step,
+                       after_step_bytes=after, host_training_bytes=ranks * pin(weights))
     training, step, after = phased(cell, total_params)
     partition = 0 if stage == 3 else 2 * -(-total_params // ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
