@@ -6,8 +6,8 @@ of the parameters between uses with `params=true` (ZeRO-3 or FSDP). Costs: host 
 it does not remove it: read host_rss_peak_gib), PCIe traffic every step, and the optimizer step on the
 CPU (torch AdamW by default; `zero?(adam=deepspeed)` uses DeepSpeed's JIT-built CPUAdam, much faster).
 Needs CUDA: on a CPU-only cell there is nothing to offload from. Predicted: under ZeRO from the tensors
-DeepSpeed makes on the GPU and the host (bench/predict/hybrid.py); under FSDP2 by the fake run, each host crossing counted where
-FSDP makes it (bench/predict/fsdp_offload.py).
+DeepSpeed makes on the GPU and the host (bench/predict/hybrid.py); under FSDP2 by the fake run, each host
+crossing counted where FSDP makes it (bench/predict/fsdp_offload.py).
 """
 
 from __future__ import annotations
