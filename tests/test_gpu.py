@@ -486,7 +486,8 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
     CPU the hybrid equals DeepSpeed's engine; here the GPU's own copies between host and device, its
     kernels' scratch and NCCL count too), and with offload the host RAM (the tensors DeepSpeed pins in
     power-of-two blocks, its pageable ones, one worker process) within 10%. The figures of every cell
-    are printed, for the issue's error table, whether or not they pass."""
+    are printed, for the issue's error table, whether or not they pass; peak reserved among them (the
+    hybrid adds the fake run's own caching to its peak allocated: not checked anywhere yet)."""
     pytest.importorskip("deepspeed")
     write_matrix(workdir, """
     matrices:
@@ -502,7 +503,10 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
     for cell_id, row in measured.items():
         guess = predicted[cell_id]
         print(json.dumps({"cell": cell_id, "status": row["status"], "measured_gib": row.get("peak_allocated_gib"),
-                          "predicted_gib": guess.get("peak_allocated_gib"), "measured_host_gib": row.get("host_rss_peak_gib"),
+                          "predicted_gib": guess.get("peak_allocated_gib"),
+                          "measured_reserved_gib": row.get("peak_reserved_gib"),  # reported, not asserted: the
+                          "predicted_reserved_gib": guess.get("peak_reserved_gib"),  # hybrid's caching is a guess
+                          "measured_host_gib": row.get("host_rss_peak_gib"),
                           "predicted_host_gib": guess.get("host_peak_gib"), "method": guess.get("prediction_method")}))
     for cell_id, row in measured.items():
         assert row["status"] == "ok", row["error"]
