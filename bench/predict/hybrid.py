@@ -179,11 +179,12 @@ def is_hybrid(cell: Cell) -> bool:
 def unsupported_reason(cell: Cell) -> str | None:
     adapters = {"lora", "dora", "qlora", "int8_lora"}.intersection(cell.stack.names)
     if adapters:
-        return f"{', '.join(sorted(adapters))} under ZeRO: DeepSpeed's estimator assumes every parameter trains"
+        return (f"{', '.join(sorted(adapters))} under ZeRO: the hybrid counts every parameter as trained "
+                "(master weights, moments, gradients)")
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return "ZeRO: the hybrid prediction asks DeepSpeed's estimator, and deepspeed is not installed here"
+        return "ZeRO: the hybrid prediction reads DeepSpeed's defaults and estimator, and deepspeed is not installed here"
     return None
 
 
