@@ -120,6 +120,9 @@ def _parse_options(name: str, args: str) -> dict[str, Any]:
     return options
 
 
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word"}  # for option errors
+
+
 def _check_option(technique: Technique, key: str, value: Any) -> None:
     name = technique.name
     if key not in technique.options:
@@ -128,7 +131,7 @@ def _check_option(technique: Technique, key: str, value: Any) -> None:
     default = technique.options[key]
     ok_type = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
     if not ok_type or (isinstance(value, bool) and not isinstance(default, bool)):
-        raise StackError(f"{name}: option {key}={value!r} should be a {type(default).__name__}")
+        raise StackError(f"{name}: option {key}={value!r} should be {_KINDS.get(type(default), type(default).__name__)}")
     allowed = technique.choices.get(key)
     if allowed is not None and value not in allowed:
         raise StackError(f"{name}: option {key}={value!r} is not one of {', '.join(map(str, allowed))}")

@@ -94,6 +94,8 @@ def test_unknown_technique_suggests_the_closest_name() -> None:
     ("grad_accum(steps=1)", "grad_accum: option steps=1 is outside [2, inf)"),
     ("lora(r=-4)", "lora: option r=-4 is outside [1, inf)"),
     ("lora(r=0)", "lora: option r=0 is outside [1, inf)"),
+    ("lora(r=1.5)", "lora: option r=1.5 should be a whole number"),
+    ("offload(params=1) + zero3", "offload: option params=1 should be true or false"),
     ("lora(dropout=1.5)", "lora: option dropout=1.5 is outside [0, 1)"),
     ("qlora(dropout=1.0)", "qlora: option dropout=1.0 is outside [0, 1)"),
     ("lora(r=[)", "lora: option r='[' is not a value"),
