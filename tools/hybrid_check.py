@@ -16,7 +16,9 @@ A model is a registry name or a config.json.
 
 `--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
 default) to N on both sides: what ZeRO-3 keeps gathered on several ranks, checked on a small model as a
-large one meets those limits (Llama-3.1-8B has 8 times their 1e9 parameters).
+large one meets those limits (Llama-3.1-8B has 8 times their 1e9 parameters). `--sub-group N` sets
+ZeRO-3's optimizer `sub_group_size` (1e9 by default) to N on both sides: a small model stepped in
+sub-groups, as a rank with more than 1e9 parameters is.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1, help="gloo ranks, one process each (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON line per stack instead of the table")
     parser.add_argument("--zero3-live", type=int, help="ZeRO-3's max live parameters and max reuse distance (default 1e9)")
+    parser.add_argument("--sub-group", type=int, help="ZeRO-3's optimizer sub-group size, elements (default 1e9)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
+        if args.sub_group:
+            _limit_sub_groups(args.sub_group)
         print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live)))
         return
     if not args.json:
@@ -82,6 +87,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.ranks),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         live = ["--zero3-live", str(args.zero3_live)] if args.zero3_live else []
+        live += ["--sub-group", str(args.sub_group)] if args.sub_group else []
         children.append(subprocess.Popen([sys.executable, __file__, args.model, "--seq", str(args.seq), "--batch",
                                           str(args.batch), "--ranks", str(args.ranks), "--one", stack, *live],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env))
@@ -159,6 +165,21 @@ def _limit_zero3(live: int) -> None:
         return out
     deepspeed.config = limited_config  # type: ignore[assignment]
     hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
+
+
+def _limit_sub_groups(size: int) -> None:
+    """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 sub-groups, both given `size`."""
+    from bench.engines import deepspeed
+    from bench.predict import hybrid
+
+    config = deepspeed.config
+
+    def sized_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = config(*args, **kwargs)
+        out["zero_optimization"]["sub_group_size"] = size
+        return out
+    deepspeed.config = sized_config  # type: ignore[assignment]
+    hybrid.sub_group_size = lambda: size  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

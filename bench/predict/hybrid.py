@@ -38,7 +38,11 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
 - the same model at seq 256, batch 2: one rank, all exact too; two ranks, ZeRO-2 exact, ZeRO-3 -0.9% to
   -4.7% where DeepSpeed peaks in forward (below);
 - Qwen2.5-0.5B, seq 256, batch 2, one rank: `zero2` 10.122 GiB, `zero3` 11.974, `zero3 +
-  offload(params=true)` 12.068, each within 24 KB (hybrid/2 was +15.2% and -6.0% on the first two).
+  offload(params=true)` 12.068, each within 24 KB (hybrid/2 was +15.2% and -6.0% on the first two);
+- ZeRO-3's step in optimizer sub-groups (`tools/hybrid_check.py --sub-group 20000000`: the 62M Llama
+  stepped in four, as a rank of more than 1e9 parameters is), `zero3(bucket=5000000)` at seq 256, batch 2,
+  one rank, peaking in the step: exact, with sub-groups of 2e7 and 4e7 (the whole partition at once was
+  +11% with the default bucket).
 
 What each version fixed: hybrid/2 added the estimator's states at their most to the activations' peak;
 but the fp32 gradients exist only in the step, when the activations are gone, and the step makes what
@@ -47,8 +51,10 @@ the estimator leaves out (fp32 gradient partition and AdamW's temporary beside e
 peak; but the bucket comes at backward's first gradient, after the loss's backward, and the partition
 at the first reduction (hybrid/4 placed them, +7.3% to +0.0%). hybrid/5 does the same for ZeRO-3 and
 counts its offload's tensors: the estimator's x 1.5 put the host of Llama-3.2-3B's `zero3 +
-offload(params=true)` at 82.3 GiB, the tensors at 70.2; and it releases the gathered weights in
-backward (without it two ranks were +3%).
+offload(params=true)` at 82.3 GiB, the tensors at 70.2; it releases the gathered weights in backward
+(without it two ranks were +3%); and ZeRO-3's step takes one optimizer sub-group (1e9 elements) at a
+time, so its fp32 gradients and AdamW's temporary are the largest sub-group's, not the partition's
+(Llama-3.2-3B on one GPU: 8 GB in the step, not 26).
 
 What hybrid/5 still misses: ZeRO-3 on several ranks gathers its weights `stage3_prefetch_bucket_size`
 elements (5e7) at a time into one flat all-gather buffer, then copies each weight out of it; the buffer
@@ -232,10 +238,10 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
     if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
         weights = 2 * -(-total_params // ranks)
-        training, step, after = (nbytes - weights for nbytes in phased(cell, total_params))
+        training, step, after = (nbytes - weights for nbytes in phased(cell, numels))
         return replace(base, host_bytes=ranks * pin(weights), training_bytes=training, step_bytes=step,
                        after_step_bytes=after, host_training_bytes=ranks * pin(weights))
-    training, step, after = phased(cell, total_params)
+    training, step, after = phased(cell, numels)
     partition = 0 if stage == 3 else 2 * -(-total_params // ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
 
@@ -282,12 +288,18 @@ def zero3_offload(numels: list[int], ranks: int, adam: str, params_offloaded: bo
     return device, training + (4 * max(groups) if adam == "torch" else 0), training
 
 
-def sub_groups(parts: list[int]) -> list[int]:
-    """The elements of each of ZeRO-3's optimizer sub-groups: the partitions, in order, closed when one
-    reaches DeepSpeed's `sub_group_size` (1e9; the suite does not set it)."""
+def sub_group_size() -> int:
+    """DeepSpeed's `sub_group_size` (1e9 elements by default; the suite does not set it): ZeRO-3's
+    optimizer steps one sub-group of a rank's partitions at a time."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    size, groups, now = int(DeepSpeedZeroConfig().sub_group_size), list[int](), 0
+    return int(DeepSpeedZeroConfig().sub_group_size)
+
+
+def sub_groups(parts: list[int]) -> list[int]:
+    """The elements of each of ZeRO-3's optimizer sub-groups: the partitions, in order, closed when one
+    reaches `sub_group_size`."""
+    size, groups, now = sub_group_size(), list[int](), 0
     for n in parts:
         now += n
         if now >= size:
@@ -295,19 +307,21 @@ def sub_groups(parts: list[int]) -> list[int]:
     return [*groups, now] if now else groups
 
 
-def phased(cell: Cell, total_params: int) -> tuple[int, int, int]:
+def phased(cell: Cell, numels: list[int]) -> tuple[int, int, int]:
     """(training, step, after step) bytes per GPU of a ZeRO stage without offload, bf16 with fp32 master
     weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
     of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
-    adds its fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole
-    (2 B/param) and, from a backward's first reduction to the step, the 16-bit gradient partition (2 B
-    each: `ModelStates.partition_bytes`, not in training's figure). ZeRO-3 keeps both 16-bit partitions
-    throughout (4 B each; and, on several ranks, the weights it gathers: `ModelStates.gathered_bytes`)."""
-    params, ranks = total_params, cell.gpus
+    adds fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole (2 B/param)
+    and, from a backward's first reduction to the step, the 16-bit gradient partition (2 B each:
+    `ModelStates.partition_bytes`, not in training's figure); its step takes the whole partition at once.
+    ZeRO-3 keeps both 16-bit partitions throughout (4 B each; and, on several ranks, the weights it
+    gathers: `ModelStates.gathered_bytes`); its step takes one optimizer sub-group at a time
+    (`sub_groups`), so the fp32 gradients and the temporary are the largest sub-group's."""
+    params, ranks = sum(numels), cell.gpus
     partition = -(-params // ranks)
     if "zero3" in cell.stack.names:
         after = 16 * partition
-        return after, after + 8 * partition, after
+        return after, after + 8 * max(sub_groups([-(-n // ranks) for n in numels])), after
     after = 2 * params + 12 * partition
     return after, after + 8 * partition, after
 
