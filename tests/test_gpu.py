@@ -371,11 +371,21 @@ def test_fsdp_and_its_cpu_offload_allocate_what_their_prediction_says(workdir: P
       f: {device: cuda, models: [llama-3.2-1b], seq_lens: [1024], batch_sizes: [1], steps: {warmup: 1, measure: 2},
           stacks: [fsdp, fsdp + offload(params=true), fsdp(precision=mixed) + offload(params=true)]}
     """)
+    _allocated_and_host_as_predicted(*_run_and_predict(workdir, "f"))
+
+
+def _run_and_predict(workdir: Path, matrix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The matrix's cells run on this GPU and predicted for an H100 (same architecture): rows by cell id."""
     for command in ("run", "predict"):
-        proc = run_bench(workdir, command, "f", "--run-id", command, *(("--gpu", "h100") if command == "predict" else ()))
+        proc = run_bench(workdir, command, matrix, "--run-id", command,
+                         *(("--gpu", "h100") if command == "predict" else ()))
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    predicted = raw_rows(workdir, "predict")
-    for cell_id, row in raw_rows(workdir, "run").items():
+    return raw_rows(workdir, "run"), raw_rows(workdir, "predict")
+
+
+def _allocated_and_host_as_predicted(measured: dict[str, Any], predicted: dict[str, Any]) -> None:
+    """Peak allocated within 2% of the prediction, and an offload cell's host RSS within 10%."""
+    for cell_id, row in measured.items():
         assert row["status"] == "ok", row["error"]
         guess = predicted[cell_id]
         assert guess["status"] == "ok", guess.get("error")
@@ -495,11 +505,7 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
           stacks: [zero2, zero3, zero2 + offload, zero3 + offload, zero3 + offload(params=true),
                    gc + zero3 + offload(params=true)]}
     """)
-    for command in ("run", "predict"):
-        proc = run_bench(workdir, command, "z", "--run-id", command, *(("--gpu", "h100") if command == "predict" else ()))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    predicted = raw_rows(workdir, "predict")
-    measured = raw_rows(workdir, "run")
+    measured, predicted = _run_and_predict(workdir, "z")
     for cell_id, row in measured.items():
         guess = predicted[cell_id]
         print(json.dumps({"cell": cell_id, "status": row["status"], "measured_gib": row.get("peak_allocated_gib"),
@@ -508,10 +514,4 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
                           "predicted_reserved_gib": guess.get("peak_reserved_gib"),  # hybrid's caching is a guess
                           "measured_host_gib": row.get("host_rss_peak_gib"),
                           "predicted_host_gib": guess.get("host_peak_gib"), "method": guess.get("prediction_method")}))
-    for cell_id, row in measured.items():
-        assert row["status"] == "ok", row["error"]
-        guess = predicted[cell_id]
-        assert guess["status"] == "ok", guess.get("error")
-        assert row["peak_allocated_gib"] == pytest.approx(guess["peak_allocated_gib"], rel=0.02), cell_id
-        if "offload" in cell_id:
-            assert row["host_rss_peak_gib"] == pytest.approx(guess["host_peak_gib"], rel=0.10), cell_id
+    _allocated_and_host_as_predicted(measured, predicted)

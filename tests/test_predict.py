@@ -446,6 +446,16 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
         assert (found["peak_phase"] == "measure/optimizer") is bucket_in_step
 
 
+def _mid_llama(directory: Path) -> Path:
+    """A 62M-parameter Llama's config.json (hidden 1024, 4 layers): large enough for DeepSpeed's engine to
+    show its states, small enough to train on this CPU in seconds."""
+    config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
+    config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=64, vocab_size=8192)
+    (directory / "mid-llama.json").write_text(json.dumps(config))
+    return directory / "mid-llama.json"
+
+
 def test_zero3s_step_takes_one_optimizer_sub_group_at_a_time() -> None:
     """ZeRO-3 steps a rank's partitions one sub-group at a time (sub-groups close once they reach 1e9
     elements): the fp32 gradients and AdamW's temporary (8 B each) are the largest sub-group's, not the
@@ -468,11 +478,8 @@ def test_zero3s_step_by_sub_groups_meets_deepspeeds_own_engine_on_a_cpu(tmp_path
     so that the step is the peak: DeepSpeed's engine on one gloo rank against the hybrid, within 0.5%
     (0.0% under torch 2.13). The whole partition at once would be +11%."""
     pytest.importorskip("deepspeed")
-    config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
-    config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                  num_key_value_heads=4, head_dim=64, vocab_size=8192)
-    (tmp_path / "mid-llama.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(tmp_path / "mid-llama.json"),
+    model = _mid_llama(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(model),
                            "--seq", "256", "--batch", "2", "--stacks", "zero3(bucket=5000000)", "--sub-group",
                            "20000000", "--json"], capture_output=True, text=True, cwd=REPO, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -499,11 +506,8 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: 
     ranks the reductions flatten the gradients of both partitions. The offload stacks are compared at their
     peak, their GPU's and host's tensors together (on a CPU both are the CPU's)."""
     pytest.importorskip("deepspeed")
-    config = json.loads((REPO / "bench" / "model_configs" / "tiny-llama.json").read_text())
-    config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                  num_key_value_heads=4, head_dim=64, vocab_size=8192)
-    (tmp_path / "mid-llama.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(tmp_path / "mid-llama.json"),
+    model = _mid_llama(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(model),
                            "--seq", "1024", "--batch", "4", "--ranks", str(ranks), "--stacks", ",".join(stacks), "--json",
                            *(["--zero3-live", str(zero3_live)] if zero3_live else [])],
                           capture_output=True, text=True, cwd=REPO, timeout=840)
