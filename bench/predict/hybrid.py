@@ -36,7 +36,7 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
   offload(params=true)`, `gc + zero3 + offload(params=true)` and `zero3(bucket=5000000) +
   offload(params=true)`: all within 0.05% (one rank 2.505, 2.882, 2.933, 3.164, 3.164, 2.522, 2.242 GiB);
 - the same model at seq 256, batch 2: one rank, all exact too; two ranks, ZeRO-2 exact, ZeRO-3 -0.9% to
-  -4.7% where DeepSpeed peaks in forward (below);
+  -4.7% where DeepSpeed peaks in forward (below; -5.4% for `zero3(bucket=5000000)`, the smallest peak);
 - Qwen2.5-0.5B, seq 256, batch 2, one rank: `zero2` 10.122 GiB, `zero3` 11.974, `zero3 +
   offload(params=true)` 12.068, each within 24 KB (hybrid/2 was +15.2% and -6.0% on the first two);
 - ZeRO-3's step in optimizer sub-groups (`tools/hybrid_check.py --sub-group 20000000`: the 62M Llama
