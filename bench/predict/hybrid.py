@@ -149,11 +149,16 @@ def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[s
     for i, param in enumerate(reversed(params)):  # converted children first, as the engine walks the modules
         events.append(("malloc", i, _block(param.numel() * param.element_size())))
         if not offloaded:
-            events.append(("malloc", made + i, _block(-(-param.numel() // ranks) * param.element_size())))
+            events.append(("malloc", made + i, _block(per_rank(param.numel(), ranks) * param.element_size())))
         events.append(("free", i, 0))
     for i, param in enumerate(params):
         events += [("malloc", i, _block(param.numel() * param.element_size())), ("free", i, 0)]
     return [*events, ("release", 0, 0)]
+
+
+def per_rank(elements: int, ranks: int) -> int:
+    """A rank's share of `elements` split N ways, rounded up (the last rank's is padded)."""
+    return -(-elements // ranks)
 
 
 def _block(nbytes: int) -> int:
@@ -237,12 +242,12 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
         return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
     if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
-        weights = 2 * -(-total_params // ranks)
+        weights = 2 * per_rank(total_params, ranks)
         training, step, after = (nbytes - weights for nbytes in phased(cell, numels))
         return replace(base, host_bytes=ranks * pin(weights), training_bytes=training, step_bytes=step,
                        after_step_bytes=after, host_training_bytes=ranks * pin(weights))
     training, step, after = phased(cell, numels)
-    partition = 0 if stage == 3 else 2 * -(-total_params // ranks)
+    partition = 0 if stage == 3 else 2 * per_rank(total_params, ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
 
 
@@ -265,7 +270,7 @@ def zero2_offload(params: int, largest_param: int, ranks: int, adam: str,
     gradients (4 B each), a 16-bit copy of the weights (2) and a 16-bit buffer of the largest gradient;
     and pageable, AdamW's two moments (8) and, in torch's AdamW step (`adam=torch`), one fp32 temporary
     (4; DeepSpeed's CPUAdam steps in place)."""
-    part = -(-params // ranks)
+    part = per_rank(params, ranks)
     training = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param) + 8 * part
     return 2 * params + 2 * largest_param, training + (4 * part if adam == "torch" else 0), training
 
@@ -281,7 +286,7 @@ def zero3_offload(numels: list[int], ranks: int, adam: str, params_offloaded: bo
     gradients, one block per optimizer sub-group (`sub_groups`); pageable, the fp32 master weights (4)
     and AdamW's moments (8). DeepSpeed steps one sub-group at a time: torch AdamW's fp32 temporary
     (`adam=torch`) is the largest sub-group's (4 B each)."""
-    parts = [-(-n // ranks) for n in numels]
+    parts = [per_rank(n, ranks) for n in numels]
     part, groups = sum(parts), sub_groups(parts)
     device = 0 if params_offloaded else 2 * part
     training = (pin(2 * part) if params_offloaded else 0) + pin(2 * part) + sum(pin(4 * g) for g in groups) + 12 * part
@@ -318,10 +323,10 @@ def phased(cell: Cell, numels: list[int]) -> tuple[int, int, int]:
     gathers: `ModelStates.gathered_bytes`); its step takes one optimizer sub-group at a time
     (`sub_groups`), so the fp32 gradients and the temporary are the largest sub-group's."""
     params, ranks = sum(numels), cell.gpus
-    partition = -(-params // ranks)
+    partition = per_rank(params, ranks)
     if "zero3" in cell.stack.names:
         after = 16 * partition
-        return after, after + 8 * max(sub_groups([-(-n // ranks) for n in numels])), after
+        return after, after + 8 * max(sub_groups([per_rank(n, ranks) for n in numels])), after
     after = 2 * params + 12 * partition
     return after, after + 8 * partition, after
 
@@ -459,12 +464,12 @@ class ZeroBackward:
         copies between host and device, and gloo's reduce-scatter copies its input."""
         ranks = self.states.ranks
         single = len(self.filled) == 1 and self.filled[0].elements % ranks == 0
-        flat = 0 if single else 2 * sum(-(-g.elements // ranks) * ranks for g in self.filled)
+        flat = 0 if single else 2 * sum(per_rank(g.elements, ranks) * ranks for g in self.filled)
         gloo = (flat or self.filled[0].nbytes) if self.states.cpu_check else 0
         if not self.states.to_host:
             return flat + gloo
         back = 0 if self.states.cpu_check else 2
-        parts = [-(-g.elements // ranks) for g in self.filled]
+        parts = [per_rank(g.elements, ranks) for g in self.filled]
         return max(flat + gloo, flat + max(back * p + max(8 * min(p, NORM_CHUNK_ELEMENTS), 4 * p) for p in parts))
 
 
