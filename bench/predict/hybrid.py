@@ -110,6 +110,7 @@ class ModelStates:
     to_host: bool = False  # the optimizer offloaded: a reduction sends each gradient to the host (`ZeroBackward`)
     host_training_bytes: int = 0  # the host's through forward and backward, all ranks together
     gathered_bytes: int = 0  # ZeRO-3's weights gathered whole through forward, 16-bit (not in training_bytes)
+    weights_on_host: bool = False  # ZeRO-3's 16-bit partition offloaded (`offload(params=true)`)
     params: int = 0  # the model's, all ranks together
     ranks: int = 1
     cpu_check: bool = False  # tools/hybrid_check.py: host and device one (copies between them no-ops), gloo's collectives
@@ -232,7 +233,7 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
     base = ModelStates(gpu_bytes=int(gpu), host_bytes=0, bucket_bytes=2 * elements, training_bytes=0, step_bytes=0,
                        after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
                        gathered_bytes=2 * min(total_params, max_live_parameters()) if gathers else 0,
-                       params=total_params)
+                       params=total_params, weights_on_host=stage == 3 and params_offload)
     pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
     if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
         if stage == 2:
@@ -435,11 +436,15 @@ class ZeroBackward:
         """The bucket reduced and this rank's share kept: the most bytes held meanwhile."""
         if not self.filled:
             return 0
-        most = waiting_bytes + self.alive_bytes() + (self._reduced_2() if self.states.stage == 2 else self._reduced_3())
+        most = waiting_bytes + self.alive_bytes() + self.scratch_bytes()
         self.partition_bytes = self.states.partition_bytes  # ZeRO-2's, made at the first reduction
         most = max(most, waiting_bytes + self.alive_bytes())  # the partition made, a large gradient still held
         self.filled = []
         return most
+
+    def scratch_bytes(self) -> int:
+        """What reducing the gradients now in the bucket allocates besides what is alive, at its most."""
+        return self._reduced_2() if self.states.stage == 2 else self._reduced_3()
 
     def _reduced_2(self) -> int:
         """ZeRO-2's reduction, besides what is alive: on several ranks, gradients that span two partitions

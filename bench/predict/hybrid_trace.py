@@ -1,0 +1,249 @@
+"""A ZeRO cell's allocations as one trace, for the caching allocator's model: the hybrid's peak reserved.
+
+bench/predict/hybrid.py counts what DeepSpeed's engine holds, moment by moment: peak allocated. What
+the allocator reserves depends on the order of allocations too, and ZeRO's order leaves gaps a constant
+slack does not know: on this CPU, DeepSpeed's real trace replayed through the allocator's model reserved
+12% to 27% more than the hybrid's allocated plus its fake run's caching (tools/hybrid_check.py
+--reserved). One cause, seen in that trace: ZeRO-2 frees its 1 GB bucket at backward's end, the first
+step then allocates Adam's moments inside the freed block, and the next backward's bucket needs a new
+segment.
+
+So the trace is rebuilt: the fake run's own allocations (activations, temporaries, the batch,
+workspaces; not its model states, not its optimizer step), merged with the engine's, where and in the
+order DeepSpeed 0.19.8 makes them (read in stage_1_and_2.py and stage3.py, and seen in its trace on a
+CPU):
+
+- at initialize: ZeRO-2's flat 16-bit weights (2 B/param) and its fp32 partition (4 B each, through a
+  16-bit clone, then a transient fp32 gradient for the optimizer's states); ZeRO-3's 16-bit partition
+  per optimizer sub-group, its fp32 partitions (each through a transient copy, then that transient
+  gradient), its bucket and its 16-bit gradient partition. With the optimizer offloaded, only what
+  stays on the GPU (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
+- in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream), each freed at its
+  gradient's hook;
+- in backward, at each gradient hook (`hybrid.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
+  the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
+  a reduction's temporaries (ZeRO-3's on its reduce stream); ZeRO-2's 16-bit gradient partition at the
+  first reduction; ZeRO-2's bucket freed after the last;
+- in the optimizer step, with the optimizer on the GPU: two passes of fp32 copies of each gradient
+  (DeepSpeed's overflow check and norm), then per sub-group (ZeRO-2: the partition) the gradients
+  flattened (2 B each), cast to fp32 (4), the flat freed (ZeRO-2: its gradient partition too), Adam's
+  moments at the first step (8), AdamW's temporary (4), and the fp32 gradients freed.
+
+On a CPU check (`cpu_check`) every stream is the default one, as a CPU has; on a GPU, ZeRO-3's reduce
+and all-gather streams keep pools of their own, as the allocator keeps one per stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .counter import MemoryCounter
+from .hybrid import MODEL_STATE_ROLES, ModelStates, ZeroBackward, per_rank, sub_groups
+
+REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
+Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream), as allocator.replay takes them
+
+
+@dataclass
+class _Trace:
+    """Events keyed by where they fall among the fake run's (its event index, then an order within it)."""
+
+    next_id: int
+    keyed: list[tuple[tuple[float, float, int], Event]] = field(default_factory=list)
+    at: tuple[float, float] = (-1.0, 0.0)
+    sizes: dict[int, tuple[int, int]] = field(default_factory=dict)  # id -> (bytes, stream), until freed
+
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        ident, self.next_id = self.next_id, self.next_id + 1
+        self._add(("malloc", ident, nbytes, stream))
+        self.sizes[ident] = (nbytes, stream)
+        return ident
+
+    def free(self, ident: int) -> None:
+        self._add(("free", ident, *self.sizes.pop(ident)))
+
+    def transient(self, nbytes: int, stream: int = 0) -> None:
+        self.free(self.malloc(nbytes, stream))
+
+    def _add(self, event: Event) -> None:
+        self.keyed.append(((*self.at, len(self.keyed)), event))
+
+
+def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
+                 partitions_of: tuple[tuple[int, ...], ...]) -> list[Event]:
+    """The fake run's allocations besides its model states and optimizer step, merged with the ZeRO
+    engine's on one rank (the most loaded: rank 0), in order, for allocator.replay."""
+    trace = _Trace(next_id=len(counter.records))
+    _fake_run_events(counter, trace)
+    engine = _Engine(states, numels, partitions_of, trace)
+    engine.initialize()
+    forward_starts = _phase_starts(counter, "forward")
+    hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
+    for number, step in enumerate(counter.steps):
+        if states.gathered_bytes and step.stage in forward_starts:
+            trace.at = (forward_starts[step.stage], -0.5)
+            engine.gather()
+        for gradient in hooks:
+            if (number == 0 or gradient.event > counter.steps[number - 1].event) and gradient.event <= step.event:
+                trace.at = (gradient.event, -0.5)
+                engine.hook(gradient)
+        trace.at = (step.event, -0.5)
+        engine.backward_end()
+        engine.optimizer_step(first=number == 0)
+    return [event for _, event in sorted(trace.keyed, key=lambda item: item[0])]
+
+
+def _fake_run_events(counter: MemoryCounter, trace: _Trace) -> None:
+    """The fake run's records that DeepSpeed's step keeps as they are: not model states, and not made in
+    the plain optimizer's step (DeepSpeed's own step replaces it)."""
+    for ident, record in enumerate(counter.records):
+        if record.made < 0 or record.freed == record.made or (record.role or "temporary") in MODEL_STATE_ROLES:
+            continue
+        if record.where.endswith("/optimizer"):
+            continue
+        trace.keyed.append(((record.made, 1, len(trace.keyed)), ("malloc", ident, record.nbytes, record.stream)))
+        if record.freed is not None:
+            trace.keyed.append(((record.freed, 0, len(trace.keyed)), ("free", ident, record.nbytes, record.stream)))
+    for at in counter.releases:
+        trace.keyed.append(((at, -1, len(trace.keyed)), ("release", -1, 0, 0)))
+
+
+def _phase_starts(counter: MemoryCounter, phase: str) -> dict[str, int]:
+    """Each stage's first event in `phase` (its first allocation there)."""
+    starts: dict[str, int] = {}
+    for record in counter.records:
+        stage, _, name = record.where.rpartition("/")
+        if name == phase and record.made >= 0:
+            starts[stage] = min(starts.get(stage, record.made), record.made)
+    return starts
+
+
+@dataclass
+class _Engine:
+    """DeepSpeed's allocations on one rank's GPU, emitted into `trace` as the engine makes them."""
+
+    states: ModelStates
+    numels: list[int]
+    partitions_of: tuple[tuple[int, ...], ...]
+    trace: _Trace
+    bucket: int | None = None
+    partition: int | None = None
+    gathered: dict[int, int] = field(default_factory=dict)  # parameter index -> its gathered weight's id
+    held: list[int] = field(default_factory=list)  # gradients larger than the bucket, to the next reduction
+    backward: ZeroBackward | None = None
+
+    @property
+    def stage3(self) -> bool:
+        return self.states.stage == 3
+
+    def stream(self, gpu_stream: int) -> int:
+        return 0 if self.states.cpu_check else gpu_stream
+
+    @property
+    def part(self) -> int:
+        return per_rank(self.states.params, self.states.ranks)
+
+    def groups(self) -> list[int]:
+        return sub_groups([per_rank(n, self.states.ranks) for n in self.numels]) if self.stage3 else [self.part]
+
+    def initialize(self) -> None:
+        """The model states made at initialize that stay on the GPU."""
+        on_gpu_optimizer = not self.states.to_host
+        if not self.stage3:
+            self.trace.malloc(2 * self.states.params)  # the flat 16-bit weights
+            if not on_gpu_optimizer:
+                self.trace.malloc(2 * max(self.numels))  # the buffer each gradient goes to the host through
+                return
+            clone = self.trace.malloc(2 * self.part)
+            self.trace.malloc(4 * self.part)  # fp32 master weights
+            self.trace.free(clone)
+            self.trace.transient(4 * self.part)
+            return
+        for group in self.groups():
+            if not self.states.weights_on_host:
+                self.trace.malloc(2 * group)  # the 16-bit partition
+        if on_gpu_optimizer:
+            for group in self.groups():
+                copy = self.trace.malloc(4 * group)
+                self.trace.malloc(4 * group)  # fp32 master weights
+                self.trace.free(copy)
+            for group in self.groups():
+                self.trace.transient(4 * group)
+        self.bucket = self.trace.malloc(self.states.bucket_bytes)
+        if on_gpu_optimizer:
+            self.trace.malloc(2 * self.part)  # the 16-bit gradient partition
+
+    def gather(self) -> None:
+        """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered."""
+        budget = self.states.gathered_bytes
+        for index, elements in enumerate(self.numels):
+            if budget < 2 * elements:
+                break
+            self.gathered[index] = self.trace.malloc(2 * elements, self.stream(ALLGATHER_STREAM))
+            budget -= 2 * elements
+
+    def hook(self, gradient: Any) -> None:
+        """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
+        bucket, the gradient copied in (or held), its gathered weight released."""
+        if self.backward is None:
+            self.backward = ZeroBackward(self.states, self.partitions_of)
+        if self.bucket is None:
+            self.bucket = self.trace.malloc(self.states.bucket_bytes)
+        made = self.trace.malloc(gradient.nbytes)
+        if sum(g.elements for g in self.backward.filled) + gradient.elements > self.states.bucket_elements:
+            self._reduce()
+        self.backward.filled.append(gradient)
+        if gradient.elements > self.states.bucket_elements:
+            self.held.append(made)
+        else:
+            self.trace.free(made)
+        if gradient.index in self.gathered:
+            self.trace.free(self.gathered.pop(gradient.index))
+
+    def backward_end(self) -> None:
+        """The last reduction; ZeRO-2's bucket freed; weights still gathered released."""
+        if self.backward is not None:
+            self._reduce()
+        self.backward = None
+        if not self.stage3 and self.bucket is not None:
+            self.trace.free(self.bucket)
+            self.bucket = None
+        for ident in self.gathered.values():
+            self.trace.free(ident)
+        self.gathered = {}
+
+    def _reduce(self) -> None:
+        """A reduction's temporaries (ZeroBackward's `_reduced_2`, `_reduced_3`), then ZeRO-2's gradient
+        partition at the first, and the held gradients let go."""
+        assert self.backward is not None
+        if self.backward.filled:
+            scratch = self.backward.scratch_bytes()
+            if scratch:
+                self.trace.transient(scratch, self.stream(REDUCE_STREAM) if self.stage3 else 0)
+            if not self.stage3 and not self.states.to_host and self.partition is None:
+                self.partition = self.trace.malloc(2 * self.part)
+        self.backward.filled = []
+        for ident in self.held:
+            self.trace.free(ident)
+        self.held = []
+
+    def optimizer_step(self, first: bool) -> None:
+        """DeepSpeed's step on the GPU, sub-group by sub-group (ZeRO-2: its whole partition at once)."""
+        if self.states.to_host:
+            return  # the step runs on the host; the GPU's 16-bit weights are written in place
+        for _ in range(2):  # the overflow check's and the norm's fp32 copies, one gradient at a time
+            for elements in self.numels:
+                self.trace.transient(4 * per_rank(elements, self.states.ranks))
+        for group in self.groups():
+            flat = self.trace.malloc(2 * group)
+            fp32 = self.trace.malloc(4 * group)
+            self.trace.free(flat)
+            if self.partition is not None:
+                self.trace.free(self.partition)
+                self.partition = None
+            if first:
+                self.trace.malloc(4 * group)  # Adam's moments, made at the first step
+                self.trace.malloc(4 * group)
+            self.trace.transient(4 * group)  # AdamW's temporary
+            self.trace.free(fp32)
