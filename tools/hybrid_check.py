@@ -1,4 +1,4 @@
-"""The ZeRO hybrid prediction against DeepSpeed's real engine, on this CPU: peak allocated, both ways.
+"""The ZeRO hybrid prediction against DeepSpeed's real engine, on this CPU: peak allocated and reserved.
 
     python tools/hybrid_check.py qwen2.5-0.5b --seq 256 --batch 2 --stacks zero2,zero3 --ranks 1
 
@@ -12,6 +12,10 @@ and the host's tensors together, the host's unpinned (a CPU does not pin), no co
 device (DeepSpeed's `.to(device)` of a host tensor is itself), at the more of training and the optimizer
 step, against DeepSpeed's peak of all its tensors. Both sides reduce-scatter through gloo, which copies
 its input (`ModelStates.cpu_check`).
+Peak reserved: DeepSpeed's own allocations, as the counter saw them in order, replayed through the model
+of CUDA's caching allocator (bench/predict/allocator.py), against the hybrid's trace of the same cell
+replayed alike (bench/predict/hybrid_trace.py); every stream the default one, as on a CPU. Not for the
+offload stacks (the hybrid's trace is the GPU's alone).
 A model is a registry name or a config.json.
 
 `--zero3-live N` sets DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (1e9 by
@@ -57,19 +61,26 @@ def main() -> None:
     if not args.json:
         print(f"{args.model}, seq {args.seq}, batch {args.batch}, {args.ranks} rank(s) on this CPU; peak allocated, GiB")
         print("| stack | DeepSpeed | hybrid | error | DeepSpeed less its bucket | hybrid less its bucket | error "
-              "| peak: DeepSpeed's, the hybrid's |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| peak: DeepSpeed's, the hybrid's | reserved: DeepSpeed's trace | the hybrid's | error |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for stack in stack_list(args.stacks):
         rows = _ranks(args, stack)
         top = max(rows, key=lambda r: r["real_bytes"])
         real, hybrid, bucket = top["real_bytes"], rows[0]["hybrid_bytes"], rows[0]["bucket_bytes"]
+        # reserved: the most of any rank's real trace replayed, against the hybrid's trace replayed
+        # (none for the offload stacks: a CPU's host is its device, and the hybrid's trace is the GPU's)
+        real_reserved = max((r.get("real_reserved_bytes") or 0 for r in rows), default=0) or None
+        hybrid_reserved = rows[0].get("hybrid_reserved_bytes")
         if args.json:
             print(json.dumps({"stack": stack, "ranks": args.ranks, "real_bytes": real, "hybrid_bytes": hybrid,
-                              "bucket_bytes": bucket}))
+                              "bucket_bytes": bucket, "real_reserved_bytes": real_reserved,
+                              "hybrid_reserved_bytes": hybrid_reserved}))
             continue
+        reserved = (f"{real_reserved / GIB:.3f} | {hybrid_reserved / GIB:.3f} | {hybrid_reserved / real_reserved - 1:+.1%}"
+                    if real_reserved and hybrid_reserved else "n/a | n/a | n/a")
         print(f"| `{stack}` | {real / GIB:.3f} | {hybrid / GIB:.3f} | {hybrid / real - 1:+.1%} | "
               f"{(real - bucket) / GIB:.3f} | {(hybrid - bucket) / GIB:.3f} | {(hybrid - bucket) / (real - bucket) - 1:+.1%} | "
-              f"{top['real_where']}, {rows[0]['hybrid_where']} |")
+              f"{top['real_where']}, {rows[0]['hybrid_where']} | {reserved} |")
 
 
 def stack_list(text: str) -> list[str]:
@@ -103,7 +114,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
 def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_live: int | None) -> dict[str, Any]:
     from bench import distributed, models, spec, trainer
     from bench.cells import make_cell
-    from bench.predict import fake, hybrid
+    from bench.predict import allocator, fake, hybrid
     from bench.predict.counter import MemoryCounter, Workspaces
     from bench.predict.gpus import GpuKind
     from bench.stacks import parse_stack
@@ -124,11 +135,14 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
     if "offload" in cell.stack.names:
         return _offload_step(cell, counter, steps)
     cpu = GpuKind("cpu", "this CPU", (0, 0))  # no cuBLAS workspaces, no context: like for like
-    predicted = hybrid.assembled(cell, steps, 0.0, cpu, cpu_check=True)
+    predicted = hybrid.assembled(cell, steps, cpu, cpu_check=True)
+    # DeepSpeed's own allocations, in their order, through the same model of CUDA's caching allocator
+    real_reserved = allocator.replay(allocator.trace(counter.records, counter.releases)).peak_reserved_bytes
     return {"real_bytes": counter.peak.nbytes, "real_where": counter.peak.where,
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
             "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
-            "hybrid_where": predicted["peak_phase"]}
+            "hybrid_where": predicted["peak_phase"], "real_reserved_bytes": real_reserved,
+            "hybrid_reserved_bytes": int(predicted["peak_reserved_gib"] * GIB)}
 
 
 def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:

@@ -157,20 +157,27 @@ def _host(cell: Cell, counter: MemoryCounter) -> dict[str, Any]:
 
 
 def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[str, Any]:
-    """The trace replayed through the caching allocator's model: peak reserved and reserved after each
-    step. Where the card's capacity and what lives outside torch are known, the replay is bounded by
-    the card, as on the GPU: a new segment that does not fit makes the allocator release its cache and
-    retry (alloc_retries) before it gives up (fits = False; then the unbounded replay says what the
-    cell would need); and the smallest budget within which those retries would still get it through
-    (least_card_gib), a memory fraction as `bench fit` emulates it."""
-    settings = allocator_settings(cell)
+    """The trace replayed through the caching allocator's model (`replayed_columns`). A paged optimizer's
+    CUDA managed memory is counted resident at its peak, on the card as in the smallest card: bitsandbytes
+    may page it out to make room, at a cost this prediction does not know."""
     events = allocator.trace(counter.records, counter.releases)
     at_steps = allocator.positions(counter.records, [s.event for s in counter.steps], counter.releases)
+    managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
+    return replayed_columns(cell, events, at_steps, counter.steps, gpu, managed_gib)
+
+
+def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[int], steps: list[Any],
+                     gpu: GpuKind, managed_gib: float = 0.0) -> dict[str, Any]:
+    """Allocation events replayed through the caching allocator's model: peak reserved and reserved after
+    each step (`at_steps`: how many events precede each of `steps`' ends). Where the card's capacity and
+    what lives outside torch are known, the replay is bounded by the card, as on the GPU: a new segment
+    that does not fit makes the allocator release its cache and retry (alloc_retries) before it gives up
+    (fits = False; then the unbounded replay says what the cell would need); and the smallest budget
+    within which those retries would still get it through (least_card_gib), a memory fraction as `bench
+    fit` emulates it. `managed_gib`: CUDA managed memory beside the allocator's."""
+    settings = allocator_settings(cell)
     state = allocator.replay(events, samples=at_steps, settings=settings)
     unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
-    # CUDA managed memory (a paged optimizer's state) counted resident at its peak, on the card as in the
-    # smallest card: bitsandbytes may page it out to make room, at a cost this prediction does not know
-    managed_gib = counter.apart_peak_bytes["managed"] / measure.GIB
     out: dict[str, Any] = {}
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:  # the whole card: no memory fraction
         torch_gib = max(0.0, gpu.memory_gib - gpu.outside_torch_gib - managed_gib)
@@ -188,7 +195,7 @@ def reserved_columns(cell: Cell, counter: MemoryCounter, gpu: GpuKind) -> dict[s
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
-         "reserved_gib": reserved / measure.GIB} for s, reserved in zip(counter.steps, state.samples, strict=True)])
+         "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])
     return out
 
 

@@ -496,22 +496,25 @@ def kept_between_steps(counter: MemoryCounter) -> int:
     return sum(r.nbytes for r in counter.alive_at(counter.steps[-1].event) if r.role not in MODEL_STATE_ROLES)
 
 
-def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, caching_gib: float, states: ModelStates,
+def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, replayed: dict[str, Any], states: ModelStates,
                    gpu: GpuKind, build: Build | None = None) -> dict[str, Any]:
-    """The hybrid figures: the more of two moments, plus the fake run's caching. In forward and backward
-    (`training`, from `training_peak`): the model states of training and the engine's bytes there, beside
-    everything else the fake run allocated (activations, temporaries, the batches, workspaces). In the
-    optimizer step: the step's model states (and ZeRO-3's bucket), plus what the fake run keeps between
-    steps (`kept_bytes`: the batch, workspaces). Or the build's, where it holds more (`Build`)."""
+    """The hybrid figures. Peak allocated, the more of two moments: in forward and backward
+    (`training`, from `training_peak`), the model states of training and the engine's bytes there, beside
+    everything else the fake run allocated (activations, temporaries, the batches, workspaces); in the
+    optimizer step, the step's model states (and ZeRO-3's bucket), plus what the fake run keeps between
+    steps (`kept_bytes`: the batch, workspaces). Peak reserved and whether it fits: the replay of the same
+    allocations as one trace (`replayed`, bench/predict/hybrid_trace.py). Or the build's, where it holds
+    more (`Build`)."""
     step = states.step_bytes + (states.bucket_bytes if states.bucket_in_step else 0) + kept_bytes
     allocated = max(training.nbytes, step) / measure.GIB
     stage = training.where.rsplit("/", 1)[0] if "/" in training.where else "measure"
     out: dict[str, Any] = {
+        **replayed,
         "prediction_method": METHOD,
         "peak_phase": training.where if training.nbytes >= step else f"{stage}/optimizer",
         "peak_op": training.op if training.nbytes >= step else None,
         "peak_allocated_gib": allocated,
-        "peak_reserved_gib": allocated + caching_gib,
+        "peak_reserved_gib": max(replayed["peak_reserved_gib"], allocated),
         "model_states_gib": states.gpu_bytes / measure.GIB,
         "buckets_gib": states.bucket_bytes / measure.GIB,
     }
@@ -522,8 +525,10 @@ def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, caching_gib: flo
         out["host_peak_gib"] = states.host_bytes / measure.GIB + cell.gpus * WORKER_PROCESS_GIB
     if gpu.outside_torch_gib is not None:
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
+        out["least_card_gib"] = max(replayed.get("least_card_gib", 0.0), out["device_peak_gib"]
+                                    if out["peak_phase"] == "build" else 0.0)
         if gpu.memory_gib is not None:
-            out["fits"] = out["device_peak_gib"] <= gpu.memory_gib
+            out["fits"] = replayed.get("fits") is not False and out["device_peak_gib"] <= gpu.memory_gib
     return out
 
 
@@ -531,25 +536,35 @@ def predict(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     """A ZeRO cell's prediction: the activation cell's fake run, then DeepSpeed's accounting."""
     from . import fake
 
-    steps = activation_cell(cell)
-    counter, built, _ = fake.counted_for(steps, gpu)
-    replayed = fake.reserved_columns(steps, counter, gpu)
-    caching_gib = (replayed.get("peak_reserved_gib") or 0.0) - counter.peak.nbytes / measure.GIB
-    return {**assembled(cell, counter, max(caching_gib, 0.0), gpu), "flops_per_token": built.flops_per_token}
+    counter, built, _ = fake.counted_for(activation_cell(cell), gpu)
+    return {**assembled(cell, counter, gpu), "flops_per_token": built.flops_per_token}
 
 
-def assembled(cell: Cell, counter: MemoryCounter, caching_gib: float, gpu: GpuKind,
-              cpu_check: bool = False) -> dict[str, Any]:
+def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool = False) -> dict[str, Any]:
     """The hybrid's columns from the fake run of the cell without its engine (`counter`): DeepSpeed's
-    model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), and the save's.
-    `cpu_check`: as DeepSpeed's engine makes them on a CPU (tools/hybrid_check.py; `model_states`)."""
+    model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), their allocations
+    replayed as one trace, and the save's. `cpu_check`: as DeepSpeed's engine makes them on a CPU
+    (tools/hybrid_check.py; `model_states`)."""
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     states = model_states(cell, numels, largest_layer_params(meta), cpu_check)
-    training = training_peak(counter, states, flat_partitions(numels, cell.gpus))
-    out = hybrid_columns(cell, training, kept_between_steps(counter), caching_gib, states, gpu, Build.of(meta, cell))
+    partitions = flat_partitions(numels, cell.gpus)
+    training = training_peak(counter, states, partitions)
+    replayed = replayed_columns(cell, counter, states, numels, gpu)
+    out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, numels, out),
             "total_params": sum(numels), "trainable_params": sum(numels), "allocations": len(counter.records)}
+
+
+def replayed_columns(cell: Cell, counter: MemoryCounter, states: ModelStates, numels: list[int],
+                     gpu: GpuKind) -> dict[str, Any]:
+    """The fake run's allocations and the engine's, as one trace (bench/predict/hybrid_trace.py),
+    replayed through the caching allocator's model: peak reserved, fits, the smallest card, the steps'."""
+    from . import fake, hybrid_trace
+
+    events, ends = hybrid_trace.engine_trace(counter, states, numels, flat_partitions(numels, cell.gpus))
+    steps = [replace(s, live_bytes=live) for s, live in zip(counter.steps, hybrid_trace.live_at(events, ends), strict=True)]
+    return fake.replayed_columns(cell, events, ends, steps, gpu)
 
 
 def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[int], out: dict[str, Any]) -> dict[str, Any]:

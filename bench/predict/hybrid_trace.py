@@ -35,6 +35,7 @@ and all-gather streams keep pools of their own, as the allocator keeps one per s
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +72,10 @@ class _Trace:
 
 
 def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
-                 partitions_of: tuple[tuple[int, ...], ...]) -> list[Event]:
+                 partitions_of: tuple[tuple[int, ...], ...]) -> tuple[list[Event], list[int]]:
     """The fake run's allocations besides its model states and optimizer step, merged with the ZeRO
-    engine's on one rank (the most loaded: rank 0), in order, for allocator.replay."""
+    engine's on one rank (the most loaded: rank 0), in order, for allocator.replay; and for each of the
+    fake run's steps, how many of the events precede its end (its optimizer step included)."""
     trace = _Trace(next_id=len(counter.records))
     _fake_run_events(counter, trace)
     engine = _Engine(states, numels, partitions_of, trace)
@@ -91,7 +93,21 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
         trace.at = (step.event, -0.5)
         engine.backward_end()
         engine.optimizer_step(first=number == 0)
-    return [event for _, event in sorted(trace.keyed, key=lambda item: item[0])]
+    ordered = sorted(trace.keyed, key=lambda item: item[0])
+    keys = [key for key, _ in ordered]
+    ends = [bisect.bisect_left(keys, (step.event, -0.4, 0)) for step in counter.steps]
+    return [event for _, event in ordered], ends
+
+
+def live_at(events: list[Event], positions: list[int]) -> list[int]:
+    """The bytes allocated after each of `positions` events."""
+    live, out, wanted = 0, [], sorted(positions)
+    for index, (kind, _, nbytes, _) in enumerate(events):
+        while wanted and wanted[0] == index:
+            out.append(live)
+            wanted.pop(0)
+        live += nbytes if kind == "malloc" else -nbytes if kind == "free" else 0
+    return out + [live] * len(wanted)
 
 
 def _fake_run_events(counter: MemoryCounter, trace: _Trace) -> None:
