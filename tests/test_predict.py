@@ -248,7 +248,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/5"
+    assert found["prediction_method"] == "hybrid/6"
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -758,7 +758,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/5"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/5"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/6"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

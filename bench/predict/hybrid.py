@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/5: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/6: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -21,8 +21,9 @@ so a ZeRO cell's memory is assembled from two sources:
   from backward's first gradient), each gradient until its hook, the reductions' temporaries, ZeRO-2's
   16-bit gradient partition, and ZeRO-3's gathered weights, released in backward.
 
-Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved
-adds the fake run's own reserved-minus-allocated (the allocator's caching). And the build (`Build`):
+Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved:
+the same allocations as one trace, the fake run's own and the engine's in DeepSpeed's order
+(bench/predict/hybrid_trace.py), replayed through the caching allocator's model. And the build (`Build`):
 where it holds more, the peak is the build's (ZeRO-3 builds on meta and partitions one parameter at a
 time, so it never does). All of it is an estimate until ZeRO cells are measured on a GPU: PREDICTION.md
 reports its error as soon as they are.
@@ -83,10 +84,11 @@ from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/5"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/6"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
-# gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's)
+# gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
+# 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -132,14 +134,20 @@ class Build:
 
     @classmethod
     def of(cls, model: Any, cell: Cell) -> Build:
-        buffers = [("malloc", -i - 1, _block(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
-        params = list(model.parameters())
-        if "zero3" not in cell.stack.names:
-            events = buffers + [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
-        else:
-            events = buffers + _partitioned(params, cell.gpus, _uses(cell).get("offload", {}).get("params", False))
+        events = build_events(model, cell)
         made = allocator.replay(events)
         return cls(_peak_live(events), made.peak_reserved_bytes)
+
+
+def build_events(model: Any, cell: Cell) -> list[tuple[str, int, int]]:
+    """The build's allocations on one rank's GPU (`Build`), in order: buffers (ids below 0); ZeRO-2's
+    parameters whole (ids 0 to P-1); ZeRO-3's as `_partitioned` makes them (each partition's id P + i
+    for the i-th parameter in reverse order)."""
+    buffers = [("malloc", -i - 1, _block(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
+    params = list(model.parameters())
+    if "zero3" not in cell.stack.names:
+        return buffers + [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
+    return buffers + _partitioned(params, cell.gpus, _uses(cell).get("offload", {}).get("params", False))
 
 
 def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
@@ -550,19 +558,20 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     states = model_states(cell, numels, largest_layer_params(meta), cpu_check)
     partitions = flat_partitions(numels, cell.gpus)
     training = training_peak(counter, states, partitions)
-    replayed = replayed_columns(cell, counter, states, numels, gpu)
+    replayed = replayed_columns(cell, counter, states, numels, build_events(meta, cell), gpu)
     out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, numels, out),
             "total_params": sum(numels), "trainable_params": sum(numels), "allocations": len(counter.records)}
 
 
 def replayed_columns(cell: Cell, counter: MemoryCounter, states: ModelStates, numels: list[int],
-                     gpu: GpuKind) -> dict[str, Any]:
-    """The fake run's allocations and the engine's, as one trace (bench/predict/hybrid_trace.py),
-    replayed through the caching allocator's model: peak reserved, fits, the smallest card, the steps'."""
+                     build: list[tuple[str, int, int]], gpu: GpuKind) -> dict[str, Any]:
+    """The build's allocations (`build_events`), the fake run's and the engine's, as one trace
+    (bench/predict/hybrid_trace.py), replayed through the caching allocator's model: peak reserved,
+    fits, the smallest card, the steps'."""
     from . import fake, hybrid_trace
 
-    events, ends = hybrid_trace.engine_trace(counter, states, numels, flat_partitions(numels, cell.gpus))
+    events, ends = hybrid_trace.engine_trace(counter, states, numels, flat_partitions(numels, cell.gpus), build)
     steps = [replace(s, live_bytes=live) for s, live in zip(counter.steps, hybrid_trace.live_at(events, ends), strict=True)]
     return fake.replayed_columns(cell, events, ends, steps, gpu)
 

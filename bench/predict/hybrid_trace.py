@@ -72,14 +72,15 @@ class _Trace:
 
 
 def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
-                 partitions_of: tuple[tuple[int, ...], ...]) -> tuple[list[Event], list[int]]:
+                 partitions_of: tuple[tuple[int, ...], ...],
+                 build: list[tuple[str, int, int]]) -> tuple[list[Event], list[int]]:
     """The fake run's allocations besides its model states and optimizer step, merged with the ZeRO
     engine's on one rank (the most loaded: rank 0), in order, for allocator.replay; and for each of the
     fake run's steps, how many of the events precede its end (its optimizer step included)."""
     trace = _Trace(next_id=len(counter.records))
     _fake_run_events(counter, trace)
     engine = _Engine(states, numels, partitions_of, trace)
-    engine.initialize()
+    engine.initialize(build)
     forward_starts = _phase_starts(counter, "forward")
     hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
     for number, step in enumerate(counter.steps):
@@ -163,11 +164,15 @@ class _Engine:
     def groups(self) -> list[int]:
         return sub_groups([per_rank(n, self.states.ranks) for n in self.numels]) if self.stage3 else [self.part]
 
-    def initialize(self) -> None:
-        """The model states made at initialize that stay on the GPU."""
+    def initialize(self, build: list[tuple[str, int, int]]) -> None:
+        """The build (hybrid.build_events), then the model states made at initialize that stay on the GPU:
+        the 16-bit weights (ZeRO-3: partitions) flattened, the built ones freed as they become views."""
         on_gpu_optimizer = not self.states.to_host
+        built = self._replay_build(build)
         if not self.stage3:
             self.trace.malloc(2 * self.states.params)  # the flat 16-bit weights
+            for index in range(len(self.numels)):
+                self.trace.free(built[index])
             if not on_gpu_optimizer:
                 self.trace.malloc(2 * max(self.numels))  # the buffer each gradient goes to the host through
                 return
@@ -179,6 +184,8 @@ class _Engine:
         for group in self.groups():
             if not self.states.weights_on_host:
                 self.trace.malloc(2 * group)  # the 16-bit partition
+        for ident in [i for i in built if i >= len(self.numels)]:  # each parameter's partition
+            self.trace.free(built[ident])
         if on_gpu_optimizer:
             for group in self.groups():
                 copy = self.trace.malloc(4 * group)
@@ -189,6 +196,18 @@ class _Engine:
         self.bucket = self.trace.malloc(self.states.bucket_bytes)
         if on_gpu_optimizer:
             self.trace.malloc(2 * self.part)  # the 16-bit gradient partition
+
+    def _replay_build(self, build: list[tuple[str, int, int]]) -> dict[int, int]:
+        """The build's events into the trace; its ids still alive -> theirs in the trace."""
+        alive: dict[int, int] = {}
+        for kind, ident, nbytes in build:
+            if kind == "malloc":
+                alive[ident] = self.trace.malloc(nbytes)
+            elif kind == "free":
+                self.trace.free(alive.pop(ident))
+            else:
+                self.trace._add(("release", -1, 0, 0))
+        return alive
 
     def gather(self) -> None:
         """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered."""
