@@ -452,9 +452,13 @@ class ZeroBackward:
 
     def scratch_bytes(self) -> int:
         """What reducing the gradients now in the bucket allocates besides what is alive, at its most."""
+        return self.reduction().most_bytes
+
+    def reduction(self) -> Reduction:
+        """The temporaries of reducing the gradients now in the bucket."""
         return self._reduced_2() if self.states.stage == 2 else self._reduced_3()
 
-    def _reduced_2(self) -> int:
+    def _reduced_2(self) -> Reduction:
         """ZeRO-2's reduction, besides what is alive: on several ranks, gradients that span two partitions
         are first flattened into one temporary (within one partition the bucket's view is reduced). Then
         the rank's share is copied into its 16-bit gradient partition, or with the optimizer offloaded
@@ -464,9 +468,9 @@ class ZeroBackward:
         ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
         flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
         to_host = 8 * max(g.elements for g in self.filled) if self.states.to_host else 0
-        return max(flattened, to_host)
+        return Reduction(copy=flattened, norm=to_host)
 
-    def _reduced_3(self) -> int:
+    def _reduced_3(self) -> Reduction:
         """ZeRO-3's reduction (`reduce_scatter_coalesced`), besides what is alive: the gradients
         interleaved by rank, each padded to a multiple of N, into one 16-bit temporary (none for a
         single gradient N divides), reduce-scattered; the rank's partitions are views of it. Without
@@ -480,10 +484,27 @@ class ZeroBackward:
         flat = 0 if single else 2 * sum(per_rank(g.elements, ranks) * ranks for g in self.filled)
         gloo = (flat or self.filled[0].nbytes) if self.states.cpu_check else 0
         if not self.states.to_host:
-            return flat + gloo
+            return Reduction(flat=flat, copy=gloo)
         back = 0 if self.states.cpu_check else 2
-        parts = [per_rank(g.elements, ranks) for g in self.filled]
-        return max(flat + gloo, flat + max(back * p + max(8 * min(p, NORM_CHUNK_ELEMENTS), 4 * p) for p in parts))
+        largest = max(per_rank(g.elements, ranks) for g in self.filled)
+        return Reduction(flat=flat, copy=gloo, back=back * largest, norm=8 * min(largest, NORM_CHUNK_ELEMENTS),
+                         cast=4 * largest)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduction's temporaries, bytes, in the order they come: `flat` through all of it; beside it
+    first `copy`, freed; then `back`, beside which `norm` and then `cast` come and go."""
+
+    flat: int = 0
+    copy: int = 0
+    back: int = 0
+    norm: int = 0
+    cast: int = 0
+
+    @property
+    def most_bytes(self) -> int:
+        return self.flat + max(self.copy, self.back + max(self.norm, self.cast))
 
 
 def flat_partitions(numels: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .counter import MemoryCounter
-from .hybrid import MODEL_STATE_ROLES, ModelStates, ZeroBackward, per_rank, sub_groups
+from .hybrid import MODEL_STATE_ROLES, ModelStates, Reduction, ZeroBackward, per_rank, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
 Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream), as allocator.replay takes them
@@ -86,7 +86,7 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
     for number, step in enumerate(counter.steps):
         if states.gathered_bytes and step.stage in forward_starts:
             trace.at = (forward_starts[step.stage], -0.5)
-            engine.gather()
+            engine.gather(held=number > 0)
         for gradient in hooks:
             if (number == 0 or gradient.event > counter.steps[number - 1].event) and gradient.event <= step.event:
                 trace.at = (gradient.event, -0.5)
@@ -209,14 +209,18 @@ class _Engine:
                 self.trace._add(("release", -1, 0, 0))
         return alive
 
-    def gather(self) -> None:
-        """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered."""
+    def gather(self, held: bool) -> None:
+        """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered. The first
+        step has no trace of the modules' order yet: each weight is released after its module
+        (`held` False), here as soon as it is gathered."""
         budget = self.states.gathered_bytes
         for index, elements in enumerate(self.numels):
             if budget < 2 * elements:
                 break
             self.gathered[index] = self.trace.malloc(2 * elements, self.stream(ALLGATHER_STREAM))
             budget -= 2 * elements
+            if not held:
+                self.trace.free(self.gathered.pop(index))
 
     def hook(self, gradient: Any) -> None:
         """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
@@ -249,19 +253,27 @@ class _Engine:
         self.gathered = {}
 
     def _reduce(self) -> None:
-        """A reduction's temporaries (ZeroBackward's `_reduced_2`, `_reduced_3`), then ZeRO-2's gradient
+        """A reduction's temporaries (`ZeroBackward.reduction`), then ZeRO-2's gradient
         partition at the first, and the held gradients let go."""
         assert self.backward is not None
         if self.backward.filled:
-            scratch = self.backward.scratch_bytes()
-            if scratch:
-                self.trace.transient(scratch, self.stream(REDUCE_STREAM) if self.stage3 else 0)
+            self._temporaries(self.backward.reduction(), self.stream(REDUCE_STREAM) if self.stage3 else 0)
             if not self.stage3 and not self.states.to_host and self.partition is None:
                 self.partition = self.trace.malloc(2 * self.part)
         self.backward.filled = []
         for ident in self.held:
             self.trace.free(ident)
         self.held = []
+
+    def _temporaries(self, reduction: Reduction, stream: int) -> None:
+        """A reduction's temporaries, each a block of its own, in their order."""
+        flat = self.trace.malloc(reduction.flat, stream)
+        self.trace.transient(reduction.copy, stream)
+        back = self.trace.malloc(reduction.back, stream)
+        self.trace.transient(reduction.norm, stream)
+        self.trace.transient(reduction.cast, stream)
+        self.trace.free(back)
+        self.trace.free(flat)
 
     def optimizer_step(self, first: bool) -> None:
         """DeepSpeed's step on the GPU, sub-group by sub-group (ZeRO-2: its whole partition at once)."""
