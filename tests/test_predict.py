@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from bench import segments, spec, trainer
+from bench import models, segments, spec, trainer
 from bench.cells import make_cell
 from bench.predict import bnb, fake, gpus, hybrid
 from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces
@@ -440,7 +440,8 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
         assert states.step_bytes == step_b_per_param * params and states.bucket_in_step is bucket_in_step
         # no activations: training's most is at backward's end, with the bucket and ZeRO-2's partition
         training = states.training_bytes + states.bucket_bytes + states.partition_bytes
-        found = hybrid.hybrid_columns(cell, Peak(training, where="measure/backward"), 4096, 0.0, states, gpus.get("h100"))
+        found = hybrid.hybrid_columns(cell, Peak(training, where="measure/backward"), 4096, {"peak_reserved_gib": 0.0},
+                                      states, gpus.get("h100"))
         step = states.step_bytes + (states.bucket_bytes if bucket_in_step else 0) + 4096
         assert found["peak_allocated_gib"] * 2**30 == max(step, training)
         assert (found["peak_phase"] == "measure/optimizer") is bucket_in_step
@@ -454,6 +455,44 @@ def _mid_llama(directory: Path) -> Path:
                   num_key_value_heads=4, head_dim=64, vocab_size=8192)
     (directory / "mid-llama.json").write_text(json.dumps(config))
     return directory / "mid-llama.json"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stack", ["zero2", "zero3", "gc + zero3", "zero2(bucket=5000000)", "offload + zero2",
+                                   "zero3 + offload", "gc + offload(params=true) + zero3",
+                                   "offload(optimizer=false, params=true) + zero3"])
+def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> None:
+    """The hybrid's trace (bench/predict/hybrid_trace.py: the build, the fake run's own allocations and
+    the engine's, in order) holds at its most what the hybrid counts moment by moment, on one GPU and on
+    each of two; what it reserves, replayed, is at least that."""
+    from bench.predict import hybrid_trace
+
+    gpu = gpus.get("h100")
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
+    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
+    found = hybrid.assembled(cell, counter, gpu)
+    meta = trainer.build_model(cell, device="meta").model
+    numels = [p.numel() for p in meta.parameters()]
+    states = hybrid.model_states(cell, numels, hybrid.largest_layer_params(meta))
+    events, ends = hybrid_trace.engine_trace(counter, states, numels, hybrid.flat_partitions(numels, ranks),
+                                             hybrid.build_events(meta, cell))
+    assert len(ends) == len(counter.steps) and ends == sorted(ends)
+    most = max(hybrid_trace.live_at(events, list(range(len(events) + 1))))
+    assert most == pytest.approx(found["peak_allocated_gib"] * 2**30, rel=1e-4)
+    assert found["peak_reserved_gib"] >= found["peak_allocated_gib"]
+
+
+def test_zero2s_next_bucket_needs_a_segment_of_its_own_after_the_first_step(tmp_path: Path) -> None:
+    """ZeRO-2 frees its 1 GB bucket at backward's end; the first step then makes Adam's moments (62M
+    parameters: 236 MiB each) inside the freed block, so the next backward's bucket needs a new segment:
+    reserved grows by one bucket from the first step to the second, as in DeepSpeed's own trace on a CPU
+    (tools/hybrid_check.py). ZeRO-3 holds its bucket from initialize on: it does not grow."""
+    cell = make_cell(SMOKE, "cuda", models.register_file(_mid_llama(tmp_path)), 64, 1, parse_stack("zero2"))
+    steps = json.loads(hybrid.predict(cell, gpus.get("h100"))["step_trace_json"])
+    bucket_segment = -(-2 * 500_000_000 // 2**21) * 2**21  # large requests: their own segment, in 2 MiB
+    assert (steps[1]["reserved_gib"] - steps[0]["reserved_gib"]) * 2**30 == bucket_segment
+    zero3 = json.loads(hybrid.predict(dataclasses.replace(cell, stack=parse_stack("zero3")), gpus.get("h100"))["step_trace_json"])
+    assert zero3[1]["reserved_gib"] == zero3[0]["reserved_gib"]
 
 
 def test_zero3s_step_takes_one_optimizer_sub_group_at_a_time() -> None:
@@ -773,7 +812,9 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     # the segments held after the last step reserve what the replay had reserved then
     last_reserved_gib = json.loads(base["step_trace_json"])[-1]["reserved_gib"]
     assert segments.total_bytes(base["segments_json"]) == pytest.approx(last_reserved_gib * 2**30)
-    assert rows[("zero2", 1)]["segments_json"] is None  # a hybrid's reserved is no replay's
+    zero2 = rows[("zero2", 1)]  # a hybrid's reserved is its own trace's replay (bench/predict/hybrid_trace.py)
+    assert segments.total_bytes(zero2["segments_json"]) == pytest.approx(
+        json.loads(zero2["step_trace_json"])[-1]["reserved_gib"] * 2**30)
 
     again = run_bench(workdir, "predict", "p", "--run-id", "p1")  # resumes: nothing predicted twice
     assert again.returncode == 0 and "ok          tiny-llama" not in again.stdout
