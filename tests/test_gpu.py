@@ -495,9 +495,10 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
     on one GPU, measured and predicted for it (bench/predict/hybrid.py): peak allocated within 2% (on a
     CPU the hybrid equals DeepSpeed's engine; here the GPU's own copies between host and device, its
     kernels' scratch and NCCL count too), and with offload the host RAM (the tensors DeepSpeed pins in
-    power-of-two blocks, its pageable ones, one worker process) within 10%. The figures of every cell
-    are printed, for the issue's error table, whether or not they pass; peak reserved among them (the
-    hybrid adds the fake run's own caching to its peak allocated: not checked anywhere yet)."""
+    power-of-two blocks, its pageable ones, one worker process) within 10%; peak reserved within 5% (the
+    hybrid's own trace replayed, bench/predict/hybrid_trace.py: equal to DeepSpeed's trace replayed on a
+    CPU, but a GPU adds ZeRO-3's side streams and the frees they defer). The figures of every cell are
+    printed, for the issue's error table, whether or not they pass."""
     pytest.importorskip("deepspeed")
     write_matrix(workdir, """
     matrices:
@@ -510,8 +511,10 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
         guess = predicted[cell_id]
         print(json.dumps({"cell": cell_id, "status": row["status"], "measured_gib": row.get("peak_allocated_gib"),
                           "predicted_gib": guess.get("peak_allocated_gib"),
-                          "measured_reserved_gib": row.get("peak_reserved_gib"),  # reported, not asserted: the
-                          "predicted_reserved_gib": guess.get("peak_reserved_gib"),  # hybrid's caching is a guess
+                          "measured_reserved_gib": row.get("peak_reserved_gib"),
+                          "predicted_reserved_gib": guess.get("peak_reserved_gib"),
                           "measured_host_gib": row.get("host_rss_peak_gib"),
                           "predicted_host_gib": guess.get("host_peak_gib"), "method": guess.get("prediction_method")}))
     _allocated_and_host_as_predicted(measured, predicted)
+    for cell_id, row in measured.items():
+        assert row["peak_reserved_gib"] == pytest.approx(predicted[cell_id]["peak_reserved_gib"], rel=0.05), cell_id

@@ -30,7 +30,7 @@ reports its error as soon as they are.
 
 Checked against DeepSpeed's real engine on a CPU (`tools/hybrid_check.py`: one or two gloo ranks, three
 steps under the same counter, no GPU workspaces on either side; DeepSpeed 0.19.8, torch 2.13.0+cpu),
-peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5:
+peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5 (hybrid/6 the same):
 
 - a 62M-parameter Llama (hidden 1024, 4 layers) at seq 1024, batch 4, where every peak is in backward,
   on one and two ranks: `zero2`, `offload + zero2`, `zero3`, `zero3 + offload`, `zero3 +
@@ -43,7 +43,14 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
 - ZeRO-3's step in optimizer sub-groups (`tools/hybrid_check.py --sub-group 20000000`: the 62M Llama
   stepped in four, as a rank of more than 1e9 parameters is), `zero3(bucket=5000000)` at seq 256, batch 2,
   one rank, peaking in the step: exact, with sub-groups of 2e7 and 4e7 (the whole partition at once was
-  +11% with the default bucket).
+  +11% with the default bucket);
+- peak reserved (hybrid/6), DeepSpeed's own allocations in their order replayed through the allocator's
+  model against the hybrid's trace replayed alike (bench/predict/hybrid_trace.py), one stream as on a
+  CPU: the 62M Llama at seq 1024, batch 4, `zero2`, `zero3`, `gc + zero2`, `gc + zero3`,
+  `zero2(bucket=5000000)`, `zero3(bucket=5000000)`: one rank equal (3.420, 3.531, 2.947, 2.949, 2.254,
+  2.615 GiB), two ranks equal but `zero3` -0.4%; with `--zero3-live 5000000`, -0.4% and 0.0%; at seq 256,
+  batch 2 on two ranks `zero2`, `zero3`, `gc + zero3` equal, although the last two miss peak allocated
+  by -2.4% and -1.0% (the all-gather buffers, below). Qwen2.5-0.5B, one rank: `zero2` -2.0%.
 
 What each version fixed: hybrid/2 added the estimator's states at their most to the activations' peak;
 but the fp32 gradients exist only in the step, when the activations are gone, and the step makes what
@@ -55,9 +62,12 @@ counts its offload's tensors: the estimator's x 1.5 put the host of Llama-3.2-3B
 offload(params=true)` at 82.3 GiB, the tensors at 70.2; it releases the gathered weights in backward
 (without it two ranks were +3%); and ZeRO-3's step takes one optimizer sub-group (1e9 elements) at a
 time, so its fp32 gradients and AdamW's temporary are the largest sub-group's, not the partition's
-(Llama-3.2-3B on one GPU: 8 GB in the step, not 26).
+(Llama-3.2-3B on one GPU: 8 GB in the step, not 26). hybrid/6 replays its own trace for peak reserved:
+hybrid/5 added its fake run's caching to peak allocated, 12% to 27% under DeepSpeed's trace replayed on
+one rank (ZeRO-2's first step makes Adam's moments inside the block of the bucket it freed, so the next
+bucket needs a segment of its own; the build's weights leave their segments cached).
 
-What hybrid/5 still misses: ZeRO-3 on several ranks gathers its weights `stage3_prefetch_bucket_size`
+What hybrid/6 still misses: ZeRO-3 on several ranks gathers its weights `stage3_prefetch_bucket_size`
 elements (5e7) at a time into one flat all-gather buffer, then copies each weight out of it; the buffer
 lives until the last of its weights is fetched by its module. Where DeepSpeed peaks in forward on
 several ranks, those buffers are the miss (the 62M Llama on two ranks at seq 256: -2.4%, about 100 MB).

@@ -24,7 +24,7 @@ CPU):
   the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
   a reduction's temporaries (ZeRO-3's on its reduce stream); ZeRO-2's 16-bit gradient partition at the
   first reduction; ZeRO-2's bucket freed after the last;
-- in the optimizer step, with the optimizer on the GPU: two passes of fp32 copies of each gradient
+- in the optimizer step, with the optimizer on the GPU: two passes of fp64 copies of each gradient
   (DeepSpeed's overflow check and norm), then per sub-group (ZeRO-2: the partition) the gradients
   flattened (2 B each), cast to fp32 (4), the flat freed (ZeRO-2: its gradient partition too), Adam's
   moments at the first step (8), AdamW's temporary (4), and the fp32 gradients freed.
@@ -279,9 +279,9 @@ class _Engine:
         """DeepSpeed's step on the GPU, sub-group by sub-group (ZeRO-2: its whole partition at once)."""
         if self.states.to_host:
             return  # the step runs on the host; the GPU's 16-bit weights are written in place
-        for _ in range(2):  # the overflow check's and the norm's fp32 copies, one gradient at a time
+        for _ in range(2):  # two passes of fp64 copies for norms, one gradient at a time (seen in its trace)
             for elements in self.numels:
-                self.trace.transient(4 * per_rank(elements, self.states.ranks))
+                self.trace.transient(8 * per_rank(elements, self.states.ranks))
         for group in self.groups():
             flat = self.trace.malloc(2 * group)
             fp32 = self.trace.malloc(4 * group)

@@ -183,9 +183,10 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
                      f"{_median_max(mine.get('error_frac'))} | {_median_max(mine.get('reserved_error_frac'))} |")
     lines += ["", "The fake process group is checked on a CPU against two real gloo ranks running the same steps under "
               "the same counter: equal, phase for phase, on every rank, and with FSDP2's CPU offload on the host too "
-              "(tests/test_predict.py). The ZeRO hybrid without offload is checked on a CPU against DeepSpeed's own "
-              "engine on one and two gloo ranks under the same counter (tools/hybrid_check.py; its figures in "
-              "bench/predict/hybrid.py). Several-rank, FSDP2-offload and ZeRO "
+              "(tests/test_predict.py). The ZeRO hybrid is checked on a CPU against DeepSpeed's own engine on one and "
+              "two gloo ranks under the same counter: peak allocated, with and without offload, and peak reserved, its "
+              "trace against DeepSpeed's own allocations replayed through the same model of the allocator "
+              "(tools/hybrid_check.py; its figures in bench/predict/hybrid.py). Several-rank, FSDP2-offload and ZeRO "
               "cells get their GPU errors here once such cells are measured (the GPU backlog)."]
     host = ok[ok["host_peak_gib"].notna()] if "host_peak_gib" in ok else ok.iloc[0:0]
     measured_host = both[both["host_peak_gib"].notna()] if "host_peak_gib" in both else both.iloc[0:0]
