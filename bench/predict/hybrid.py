@@ -135,7 +135,8 @@ class ModelStates:
 @dataclass(frozen=True)
 class Build:
     """What each rank's GPU holds while the trainer builds the model, before training, bytes. ZeRO-2
-    builds it whole (and keeps it whole). ZeRO-3 builds it on meta, then gives each parameter its memory
+    builds it whole, then flattens it into one buffer beside it (`_whole_then_flat`): twice its 16-bit
+    weights for a moment. ZeRO-3 builds it on meta, then gives each parameter its memory
     whole and partitions it at once, then gathers each whole again for its init (bench/engines/
     deepspeed.py): its partitions (on the host if offloaded) plus one whole parameter at a time."""
 
@@ -149,15 +150,37 @@ class Build:
         return cls(_peak_live(events), made.peak_reserved_bytes)
 
 
-def build_events(model: Any, cell: Cell) -> list[tuple[str, int, int]]:
+def build_events(model: Any, cell: Cell, cpu_check: bool = False) -> list[tuple[str, int, int]]:
     """The build's allocations on one rank's GPU (`Build`), in order: buffers (ids below 0); ZeRO-2's
-    parameters whole (ids 0 to P-1); ZeRO-3's as `_partitioned` makes them (each partition's id P + i
-    for the i-th parameter in reverse order)."""
+    parameters whole (ids 0 to P-1) and its flat buffer (`_whole_then_flat`); ZeRO-3's as `_partitioned`
+    makes them (each partition's id P + i for the i-th parameter in reverse order). `cpu_check`: as on a
+    CPU, where emptying the cache does nothing."""
     buffers = [("malloc", -i - 1, _block(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
     params = list(model.parameters())
     if "zero3" not in cell.stack.names:
-        return buffers + [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
+        return buffers + _whole_then_flat(model, params, cpu_check)
     return buffers + _partitioned(params, cell.gpus, _uses(cell).get("offload", {}).get("params", False))
+
+
+def _whole_then_flat(model: Any, params: list[Any], cpu_check: bool) -> list[tuple[str, int, int]]:
+    """ZeRO-2's build on each GPU: each parameter whole, and a tied output embedding made whole, then tied
+    away (freed: transformers makes the layer, then ties its weight to the input embedding's); then
+    DeepSpeed's initialize empties the cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has
+    room, flattens the 16-bit weights into one buffer beside them, and the parameters become its views."""
+    events = [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
+    tied = _tied_output_bytes(model)
+    events += [("malloc", len(params), tied), ("free", len(params), 0)] if tied else []
+    events += [] if cpu_check else [("release", 0, 0)]
+    events.append(("malloc", len(params) + 1, _block(sum(p.numel() * p.element_size() for p in params))))
+    return events + [("free", i, 0) for i in range(len(params))]
+
+
+def _tied_output_bytes(model: Any) -> int:
+    """The output embedding's bytes where it is tied to the input embedding, else 0."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or inputs is None or output.weight is not inputs.weight:
+        return 0
+    return _block(output.weight.numel() * output.weight.element_size())
 
 
 def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
@@ -589,7 +612,7 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     states = model_states(cell, numels, largest_layer_params(meta), cpu_check)
     partitions = flat_partitions(numels, cell.gpus)
     training = training_peak(counter, states, partitions)
-    replayed = replayed_columns(cell, counter, states, numels, build_events(meta, cell), gpu)
+    replayed = replayed_columns(cell, counter, states, numels, build_events(meta, cell, cpu_check), gpu)
     out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, numels, out),
             "total_params": sum(numels), "trainable_params": sum(numels), "allocations": len(counter.records)}

@@ -13,8 +13,10 @@ workspaces; not its model states, not its optimizer step), merged with the engin
 order DeepSpeed 0.19.8 makes them (read in stage_1_and_2.py and stage3.py, and seen in its trace on a
 CPU):
 
-- at initialize: ZeRO-2's flat 16-bit weights (2 B/param) and its fp32 partition (4 B each, through a
-  16-bit clone, then a transient fp32 gradient for the optimizer's states); ZeRO-3's 16-bit partition
+- the build (`hybrid.build_events`: ZeRO-2's whole weights flattened into one buffer, the cache emptied
+  before on a GPU; ZeRO-3's partitions made one parameter at a time);
+- at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone, then a transient fp32
+  gradient for the optimizer's states); ZeRO-3's 16-bit partition
   per optimizer sub-group, its fp32 partitions (each through a transient copy, then that transient
   gradient), its bucket and its 16-bit gradient partition. With the optimizer offloaded, only what
   stays on the GPU (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
@@ -165,14 +167,12 @@ class _Engine:
         return sub_groups([per_rank(n, self.states.ranks) for n in self.numels]) if self.stage3 else [self.part]
 
     def initialize(self, build: list[tuple[str, int, int]]) -> None:
-        """The build (hybrid.build_events), then the model states made at initialize that stay on the GPU:
-        the 16-bit weights (ZeRO-3: partitions) flattened, the built ones freed as they become views."""
+        """The build (hybrid.build_events: ZeRO-2's flat 16-bit weights included), then the model states
+        made at initialize that stay on the GPU: ZeRO-3's 16-bit partitions flattened, the built ones freed
+        as they become views."""
         on_gpu_optimizer = not self.states.to_host
         built = self._replay_build(build)
         if not self.stage3:
-            self.trace.malloc(2 * self.states.params)  # the flat 16-bit weights
-            for index in range(len(self.numels)):
-                self.trace.free(built[index])
             if not on_gpu_optimizer:
                 self.trace.malloc(2 * max(self.numels))  # the buffer each gradient goes to the host through
                 return
