@@ -66,6 +66,10 @@ class _Trace:
     def free(self, ident: int) -> None:
         self._add(("free", ident, *self.sizes.pop(ident)))
 
+    def release(self) -> None:
+        """The cache emptied (torch.cuda.empty_cache)."""
+        self._add(("release", -1, 0, 0))
+
     def transient(self, nbytes: int, stream: int = 0) -> None:
         self.free(self.malloc(nbytes, stream))
 
@@ -85,6 +89,7 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
     engine.initialize(build)
     forward_starts = _phase_starts(counter, "forward")
     hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
+    markers = []  # where each step ends: after its optimizer step, before anything the next one makes
     for number, step in enumerate(counter.steps):
         if states.gathered_bytes and step.stage in forward_starts:
             trace.at = (forward_starts[step.stage], -0.5)
@@ -96,9 +101,10 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
         trace.at = (step.event, -0.5)
         engine.backward_end()
         engine.optimizer_step(first=number == 0)
+        markers.append((step.event, -0.5, len(trace.keyed)))
     ordered = sorted(trace.keyed, key=lambda item: item[0])
     keys = [key for key, _ in ordered]
-    ends = [bisect.bisect_left(keys, (step.event, -0.4, 0)) for step in counter.steps]
+    ends = [bisect.bisect_left(keys, marker) for marker in markers]
     return [event for _, event in ordered], ends
 
 
@@ -181,21 +187,30 @@ class _Engine:
             self.trace.free(clone)
             self.trace.transient(4 * self.part)
             return
-        for group in self.groups():
-            if not self.states.weights_on_host:
-                self.trace.malloc(2 * group)  # the 16-bit partition
-        for ident in [i for i in built if i >= len(self.numels)]:  # each parameter's partition
-            self.trace.free(built[ident])
+        self._defragment([built[i] for i in built if i >= len(self.numels)])
         if on_gpu_optimizer:
             for group in self.groups():
                 copy = self.trace.malloc(4 * group)
                 self.trace.malloc(4 * group)  # fp32 master weights
                 self.trace.free(copy)
-            for group in self.groups():
-                self.trace.transient(4 * group)
+            self.trace.transient(4 * max(self.groups()))  # the optimizer states' initial fp32 gradient buffer
         self.bucket = self.trace.malloc(self.states.bucket_bytes)
         if on_gpu_optimizer:
             self.trace.malloc(2 * self.part)  # the 16-bit gradient partition
+
+    def _defragment(self, partitions: list[int]) -> None:
+        """ZeRO-3's 16-bit partitions moved into one flat buffer (DeepSpeed's `defragment`): copied into a
+        host buffer, freed, the cache emptied, the buffer copied back to the GPU whole. On a CPU the host
+        buffer is the device's and emptying the cache does nothing. None with the parameters offloaded."""
+        if self.states.weights_on_host:
+            return
+        if self.states.cpu_check:
+            self.trace.malloc(2 * self.part)
+        for ident in partitions:
+            self.trace.free(ident)
+        if not self.states.cpu_check:
+            self.trace.release()
+            self.trace.malloc(2 * self.part)
 
     def _replay_build(self, build: list[tuple[str, int, int]]) -> dict[int, int]:
         """The build's events into the trace; its ids still alive -> theirs in the trace."""
@@ -206,7 +221,7 @@ class _Engine:
             elif kind == "free":
                 self.trace.free(alive.pop(ident))
             else:
-                self.trace._add(("release", -1, 0, 0))
+                self.trace.release()
         return alive
 
     def gather(self, held: bool) -> None:
