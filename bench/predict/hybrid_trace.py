@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
 
-from .counter import MemoryCounter
+from .counter import GradientReady, MemoryCounter
 from .hybrid import MODEL_STATE_ROLES, ModelStates, Reduction, ZeroBackward, per_rank, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
@@ -50,7 +49,9 @@ Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream
 
 @dataclass
 class _Trace:
-    """Events keyed by where they fall among the fake run's (its event index, then an order within it)."""
+    """Events keyed by where they fall among the fake run's: (its event index, an order within it, a
+    sequence number). The order, as allocator.trace sorts the fake run's: -1 the cache emptied, -0.5 the
+    engine's (a hook runs before the event it precedes), 0 a free, 1 an allocation."""
 
     next_id: int
     keyed: list[tuple[tuple[float, float, int], Event]] = field(default_factory=list)
@@ -90,18 +91,20 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
     forward_starts = _phase_starts(counter, "forward")
     hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
     markers = []  # where each step ends: after its optimizer step, before anything the next one makes
+    previous_end = -1
     for number, step in enumerate(counter.steps):
         if states.gathered_bytes and step.stage in forward_starts:
             trace.at = (forward_starts[step.stage], -0.5)
             engine.gather(held=number > 0)
         for gradient in hooks:
-            if (number == 0 or gradient.event > counter.steps[number - 1].event) and gradient.event <= step.event:
+            if previous_end < gradient.event <= step.event:
                 trace.at = (gradient.event, -0.5)
                 engine.hook(gradient)
         trace.at = (step.event, -0.5)
         engine.backward_end()
         engine.optimizer_step(first=number == 0)
         markers.append((step.event, -0.5, len(trace.keyed)))
+        previous_end = step.event
     ordered = sorted(trace.keyed, key=lambda item: item[0])
     keys = [key for key, _ in ordered]
     ends = [bisect.bisect_left(keys, marker) for marker in markers]
@@ -109,7 +112,7 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
 
 
 def live_at(events: list[Event], positions: list[int]) -> list[int]:
-    """The bytes allocated after each of `positions` events."""
+    """The bytes allocated after the first N events, for each N of `positions` in ascending order."""
     live, out, wanted = 0, [], sorted(positions)
     for index, (kind, _, nbytes, _) in enumerate(events):
         while wanted and wanted[0] == index:
@@ -152,11 +155,11 @@ class _Engine:
     numels: list[int]
     partitions_of: tuple[tuple[int, ...], ...]
     trace: _Trace
-    bucket: int | None = None
-    partition: int | None = None
+    bucket: int | None = None  # the bucket's id while it lives (ZeRO-2: one backward)
+    partition: int | None = None  # ZeRO-2's 16-bit gradient partition's, from the first reduction to the step
     gathered: dict[int, int] = field(default_factory=dict)  # parameter index -> its gathered weight's id
     held: list[int] = field(default_factory=list)  # gradients larger than the bucket, to the next reduction
-    backward: ZeroBackward | None = None
+    backward: ZeroBackward | None = None  # the hooks' bookkeeping, shared with the hybrid's count
 
     @property
     def stage3(self) -> bool:
@@ -174,29 +177,39 @@ class _Engine:
 
     def initialize(self, build: list[tuple[str, int, int]]) -> None:
         """The build (hybrid.build_events: ZeRO-2's flat 16-bit weights included), then the model states
-        made at initialize that stay on the GPU: ZeRO-3's 16-bit partitions flattened, the built ones freed
-        as they become views."""
-        on_gpu_optimizer = not self.states.to_host
+        made at initialize that stay on the GPU."""
         built = self._replay_build(build)
-        if not self.stage3:
-            if not on_gpu_optimizer:
-                self.trace.malloc(2 * max(self.numels))  # the buffer each gradient goes to the host through
-                return
-            clone = self.trace.malloc(2 * self.part)
-            self.trace.malloc(4 * self.part)  # fp32 master weights
-            self.trace.free(clone)
-            self.trace.transient(4 * self.part)
+        if self.stage3:
+            self._initialize_3([built[i] for i in built if i >= len(self.numels)])
+        else:
+            self._initialize_2()
+
+    def _initialize_2(self) -> None:
+        """ZeRO-2: the fp32 partition (from a 16-bit clone) and the transient gradient with which the
+        optimizer's states are initialized; with the optimizer offloaded, only the buffer each gradient
+        goes to the host through."""
+        if self.states.to_host:
+            self.trace.malloc(2 * max(self.numels))
             return
-        self._defragment([built[i] for i in built if i >= len(self.numels)])
-        if on_gpu_optimizer:
+        clone = self.trace.malloc(2 * self.part)
+        self.trace.malloc(4 * self.part)  # fp32 master weights
+        self.trace.free(clone)
+        self.trace.transient(4 * self.part)
+
+    def _initialize_3(self, partitions: list[int]) -> None:
+        """ZeRO-3: the built partitions flattened (`_defragment`); with the optimizer on the GPU, the fp32
+        partition of each sub-group (through a transient copy) and the transient gradient of the largest;
+        the bucket; with the optimizer on the GPU, the 16-bit gradient partition."""
+        self._defragment(partitions)
+        if not self.states.to_host:
             for group in self.groups():
                 copy = self.trace.malloc(4 * group)
                 self.trace.malloc(4 * group)  # fp32 master weights
                 self.trace.free(copy)
-            self.trace.transient(4 * max(self.groups()))  # the optimizer states' initial fp32 gradient buffer
+            self.trace.transient(4 * max(self.groups()))
         self.bucket = self.trace.malloc(self.states.bucket_bytes)
-        if on_gpu_optimizer:
-            self.trace.malloc(2 * self.part)  # the 16-bit gradient partition
+        if not self.states.to_host:
+            self.trace.malloc(2 * self.part)
 
     def _defragment(self, partitions: list[int]) -> None:
         """ZeRO-3's 16-bit partitions moved into one flat buffer (DeepSpeed's `defragment`): copied into a
@@ -237,7 +250,7 @@ class _Engine:
             if not held:
                 self.trace.free(self.gathered.pop(index))
 
-    def hook(self, gradient: Any) -> None:
+    def hook(self, gradient: GradientReady) -> None:
         """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
         bucket, the gradient copied in (or held), its gathered weight released."""
         if self.backward is None:
