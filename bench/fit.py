@@ -173,9 +173,9 @@ class MeasuredProbes:
 
 def predicted_need_gib(row: dict[str, Any]) -> float:
     """The card a predicted cell needs, as a measured probe meets its budget (the allocator capped there,
-    releasing its cache and retrying before it fails): the least card its trace runs on; where that is
-    not predicted (a hybrid, an older row), the device peak (reserved + the context), or peak allocated
-    where the GPU kind's context is not measured (then a lower bound)."""
+    releasing its cache and retrying before it fails): the least card its trace runs on (a ZeRO hybrid's
+    too, from hybrid/6); where that is not predicted (an older row), the device peak (reserved + the
+    context), or peak allocated where the GPU kind's context is not measured (then a lower bound)."""
     for column in ("least_card_gib", "device_peak_gib"):
         value = row.get(column)
         if value is not None and not pd.isna(value):
