@@ -108,9 +108,9 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "- A cell fits a budget when the smallest card it runs on is within it, as a measured probe meets its "
              "budget (the allocator capped there, releasing its cache and retrying before it fails): the fake run's "
              "allocations replayed through a model of the caching allocator within ever smaller capacities, plus what "
-             "the GPU kind keeps outside torch (the CUDA context, measured). Where that is not predicted, the device "
-             "peak (reserved with no cap + the context); a ZeRO cell's is the hybrid's (DeepSpeed's model-state "
-             "accounting + the fake run's other bytes, its method the hybrid/ one above).",
+             "the GPU kind keeps outside torch (the CUDA context, measured); a ZeRO cell's allocations are the "
+             "hybrid's (DeepSpeed's, in its order, beside the fake run's own; its method the hybrid/ one above). "
+             "Where that is not predicted (an older row), the device peak (reserved with no cap + the context).",
              "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",
