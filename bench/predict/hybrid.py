@@ -50,7 +50,8 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
   `zero2(bucket=5000000)`, `zero3(bucket=5000000)`: one rank equal (3.420, 3.531, 2.947, 2.949, 2.254,
   2.615 GiB), two ranks equal but `zero3` -0.4%; with `--zero3-live 5000000`, -0.4% and 0.0%; at seq 256,
   batch 2 on two ranks `zero2`, `zero3`, `gc + zero3` equal, although the last two miss peak allocated
-  by -2.4% and -1.0% (the all-gather buffers, below). Qwen2.5-0.5B, one rank: `zero2` -2.0%.
+  by -2.4% and -1.0% (the all-gather buffers, below). Qwen2.5-0.5B (tied embeddings), seq 256, batch 2,
+  one rank: `zero2` equal (12.410), `zero3` +0.1% (16.877 against 16.857).
 
 What each version fixed: hybrid/2 added the estimator's states at their most to the activations' peak;
 but the fp32 gradients exist only in the step, when the activations are gone, and the step makes what

@@ -3,9 +3,9 @@
 bench/predict/hybrid.py counts what DeepSpeed's engine holds, moment by moment: peak allocated. What
 the allocator reserves depends on the order of allocations too, and ZeRO's order leaves gaps a constant
 slack does not know: on this CPU, DeepSpeed's real trace replayed through the allocator's model reserved
-12% to 27% more than the hybrid's allocated plus its fake run's caching (tools/hybrid_check.py
---reserved). One cause, seen in that trace: ZeRO-2 frees its 1 GB bucket at backward's end, the first
-step then allocates Adam's moments inside the freed block, and the next backward's bucket needs a new
+12% to 27% more than the hybrid's allocated plus its fake run's caching (tools/hybrid_check.py prints
+both). One cause, seen in that trace: ZeRO-2 frees its 1 GB bucket at backward's end, the first step
+then allocates Adam's moments inside the freed block, and the next backward's bucket needs a new
 segment.
 
 So the trace is rebuilt: the fake run's own allocations (activations, temporaries, the batch,
@@ -13,26 +13,28 @@ workspaces; not its model states, not its optimizer step), merged with the engin
 order DeepSpeed 0.19.8 makes them (read in stage_1_and_2.py and stage3.py, and seen in its trace on a
 CPU):
 
-- the build (`hybrid.build_events`: ZeRO-2's whole weights flattened into one buffer, the cache emptied
-  before on a GPU; ZeRO-3's partitions made one parameter at a time);
-- at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone, then a transient fp32
-  gradient for the optimizer's states); ZeRO-3's 16-bit partition
-  per optimizer sub-group, its fp32 partitions (each through a transient copy, then that transient
-  gradient), its bucket and its 16-bit gradient partition. With the optimizer offloaded, only what
-  stays on the GPU (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
+- the build (`hybrid.build_events`): ZeRO-2's whole weights, flattened into one buffer beside them (the
+  cache emptied first on a GPU); ZeRO-3's partitions made one parameter at a time;
+- at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone); ZeRO-3's partitions moved
+  into one flat buffer (`_defragment`), its fp32 partition per optimizer sub-group (each through a
+  transient copy), its bucket and its 16-bit gradient partition; both, the transient fp32 gradient
+  that initializes the optimizer's states. With the optimizer offloaded, only what stays on the GPU
+  (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
 - in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream), each freed at its
-  gradient's hook;
+  gradient's hook (in the first step, which has no trace of the modules' order, after its module);
 - in backward, at each gradient hook (`hybrid.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
   the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
-  a reduction's temporaries (ZeRO-3's on its reduce stream); ZeRO-2's 16-bit gradient partition at the
-  first reduction; ZeRO-2's bucket freed after the last;
+  a reduction's temporaries, each a block (`hybrid.Reduction`; ZeRO-3's on its reduce stream); ZeRO-2's
+  16-bit gradient partition at the first reduction; ZeRO-2's bucket freed after the last;
 - in the optimizer step, with the optimizer on the GPU: two passes of fp64 copies of each gradient
-  (DeepSpeed's overflow check and norm), then per sub-group (ZeRO-2: the partition) the gradients
-  flattened (2 B each), cast to fp32 (4), the flat freed (ZeRO-2: its gradient partition too), Adam's
-  moments at the first step (8), AdamW's temporary (4), and the fp32 gradients freed.
+  (DeepSpeed's norms), then per sub-group (ZeRO-2: the partition) the gradients flattened (2 B each),
+  cast to fp32 (4), the flat freed (ZeRO-2: its gradient partition too), Adam's moments at the first
+  step (8), AdamW's temporary (4), and the fp32 gradients freed.
 
 On a CPU check (`cpu_check`) every stream is the default one, as a CPU has; on a GPU, ZeRO-3's reduce
-and all-gather streams keep pools of their own, as the allocator keeps one per stream.
+and all-gather streams keep pools of their own, as the allocator keeps one per stream. Not modelled: a
+gradient freed after `record_stream` on the reduce stream is reusable only once that stream's work is
+done; the replay reuses it at once.
 """
 
 from __future__ import annotations
