@@ -513,6 +513,8 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
                           "predicted_gib": guess.get("peak_allocated_gib"),
                           "measured_reserved_gib": row.get("peak_reserved_gib"),
                           "predicted_reserved_gib": guess.get("peak_reserved_gib"),
+                          "measured_alloc_retries": row.get("alloc_retries"),
+                          "predicted_alloc_retries": guess.get("alloc_retries"),
                           "measured_host_gib": row.get("host_rss_peak_gib"),
                           "predicted_host_gib": guess.get("host_peak_gib"), "method": guess.get("prediction_method")}))
     _allocated_and_host_as_predicted(measured, predicted)
