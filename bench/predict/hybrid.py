@@ -463,12 +463,16 @@ class ZeroBackward:
         """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included."""
         self.bucket_bytes = self.states.bucket_bytes
         most = 0
-        if sum(g.elements for g in self.filled) + gradient.elements > self.states.bucket_elements:
+        if self.overflows(gradient):
             most = self._reduce(waiting_bytes=gradient.nbytes)
         most = max(most, gradient.nbytes + self.alive_bytes())
         self.filled.append(gradient)
         self.hooked_elements += gradient.elements  # its weight released after its module (ZeRO-3)
         return most
+
+    def overflows(self, gradient: GradientReady) -> bool:
+        """Whether this gradient would overflow the bucket: the bucket is reduced before it goes in."""
+        return sum(g.elements for g in self.filled) + gradient.elements > self.states.bucket_elements
 
     def epilogue(self) -> int:
         """Backward's last reduction: the most bytes the engine holds in it."""

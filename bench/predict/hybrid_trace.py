@@ -260,7 +260,7 @@ class _Engine:
         if self.bucket is None:
             self.bucket = self.trace.malloc(self.states.bucket_bytes)
         made = self.trace.malloc(gradient.nbytes)
-        if sum(g.elements for g in self.backward.filled) + gradient.elements > self.states.bucket_elements:
+        if self.backward.overflows(gradient):
             self._reduce()
         self.backward.filled.append(gradient)
         if gradient.elements > self.states.bucket_elements:
