@@ -158,6 +158,22 @@ def test_the_least_capacity_releases_a_cached_block_no_request_can_use(expandabl
         assert allocator.replay(events, 60 * MIB - 512).oom_at == 3
 
 
+def test_a_smaller_card_can_run_what_a_larger_one_cannot_and_the_least_capacity_says_the_smaller() -> None:
+    """A card of 42 MiB releases the cached 20 MiB segment at the 24 MiB request, so the 12 MiB one gets a
+    segment of its own that the last request's release frees; 44 to 48 MiB keep the cached segment, put the
+    12 MiB request in it and pin it there: 20 + 30 does not fit. Found by a search of random traces."""
+    events = [(kind, ident, mib * MIB) for kind, ident, mib in
+              [("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 24), ("malloc", 2, 12), ("free", 1, 24),
+               ("malloc", 3, 30)]]
+    runs = {mib: allocator.replay(events, mib * MIB, fraction=True).oom_at is None for mib in range(40, 52, 2)}
+    assert runs == {40: False, 42: True, 44: False, 46: False, 48: False, 50: True}
+    unbounded = allocator.replay(events).peak_reserved_bytes
+    assert allocator.least_capacity(events, unbounded) == 50 * MIB  # the bisection's boundary, from 74 MiB
+    # where the card is known to run the trace (the cell fits it), the answer is never above the card
+    assert allocator.least_capacity(events, unbounded, runs_within_bytes=42 * MIB) == 42 * MIB
+    assert allocator.least_capacity(events, unbounded, runs_within_bytes=46 * MIB) == 50 * MIB  # 46 does not run
+
+
 def test_trace_orders_a_free_before_an_allocation_of_the_same_instant() -> None:
     from bench.predict.counter import Record
 

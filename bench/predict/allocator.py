@@ -422,16 +422,23 @@ def positions(records: list[Any], event_counts: list[int], releases: Iterable[in
 
 
 def least_capacity(events: list[tuple[Any, ...]], unbounded_bytes: int, settings: Settings = Settings(),
-                   resolution_bytes: int = SMALL_SEGMENT) -> int:
+                   resolution_bytes: int = SMALL_SEGMENT, runs_within_bytes: int | None = None) -> int:
     """The smallest capacity, a multiple of `resolution_bytes`, within which the trace runs to its end:
     the allocator releasing its cache and retrying where a new segment does not fit, under
     torch.cuda.set_per_process_memory_fraction as `bench fit` emulates a smaller card (the same as a
     card just big enough, but that a garbage collection threshold acts only under a fraction). A
     bisection between nothing and `unbounded_bytes`, what the trace reserves with no bound (always
-    enough): it takes a trace that runs within a capacity to run within any larger one, which the
-    allocator does not promise (a smaller card releases its cache sooner, and may fragment less), so
-    the answer is a capacity the replay ran within, at the boundary the bisection found."""
-    low, high = 0, -(-unbounded_bytes // resolution_bytes)  # in resolution units: `low` never runs, `high` does
+    enough), or `runs_within_bytes` where the trace runs within that smaller capacity (the card's, where
+    the cell fits it after retries). The bisection takes a trace that runs within a capacity to run
+    within any larger one, which the allocator does not promise (a smaller card releases its cache
+    sooner, and may fragment less), so the answer is a capacity the replay ran within, at the boundary
+    the bisection found; starting from a capacity known to run keeps it at or under that one."""
+    high = -(-unbounded_bytes // resolution_bytes)  # in resolution units: `low` never runs, `high` does
+    if runs_within_bytes is not None and runs_within_bytes // resolution_bytes < high:
+        within = runs_within_bytes // resolution_bytes
+        if replay(events, within * resolution_bytes, settings=settings, fraction=True).oom_at is None:
+            high = within
+    low = 0
     while high - low > 1:
         middle = (low + high) // 2
         ran = replay(events, middle * resolution_bytes, settings=settings, fraction=True)

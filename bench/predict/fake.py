@@ -179,19 +179,20 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     state = allocator.replay(events, samples=at_steps, settings=settings)
     unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
     out: dict[str, Any] = {}
+    card_bytes = None  # what torch may hold on the whole card, where the cell runs within it
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:  # the whole card: no memory fraction
-        torch_gib = max(0.0, gpu.memory_gib - gpu.outside_torch_gib - managed_gib)
-        bounded = allocator.replay(events, int(torch_gib * measure.GIB), at_steps, settings)
+        torch_bytes = int(max(0.0, gpu.memory_gib - gpu.outside_torch_gib - managed_gib) * measure.GIB)
+        bounded = allocator.replay(events, torch_bytes, at_steps, settings)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
-            state = bounded
+            state, card_bytes = bounded, torch_bytes
             out["alloc_retries"] = bounded.retries
     out["peak_reserved_gib"] = state.peak_reserved_bytes / measure.GIB
     if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
         out["segments_json"] = segments.to_json(state.held_segments())
     if gpu.outside_torch_gib is not None:
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
-        least = allocator.least_capacity(events, unbounded_bytes, settings)
+        least = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=card_bytes)
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
