@@ -221,6 +221,9 @@ def skip_reason(cell: Cell, matrix: MatrixSpec, host: HostCaps) -> str | None:
     if cell.gpus > 1 and not any(u.technique.slot == "engine" for u in cell.stack.uses):
         return f"{cell.gpus} GPUs need a multi-GPU engine in the stack (ddp, fsdp, zero2, zero3)"
     family = models.get(cell.model).family
+    attention = models.attention_problem(cell.model, cell.stack.setup.attn_implementation)
+    if attention:
+        return attention
     for use in cell.stack.uses:
         t = use.technique
         if t.families and family not in t.families:

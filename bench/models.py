@@ -78,6 +78,35 @@ def register_file(path: Path) -> str:
     return name
 
 
+# The flag of transformers' model classes that says an attention implementation is there (eager always is).
+_ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                    "flex_attention": "_supports_flex_attn"}
+
+
+def attention_problem(name: str, attn_implementation: str) -> str | None:
+    """Why transformers cannot build this model as a causal LM with that attention, or None. Its model
+    class says (Gemma 2 and gpt-oss have no sdpa path in transformers 5.24: softcapping, attention
+    sinks); the build would raise it only inside the worker, after the process and imports."""
+    return _attention_problem(get(name), attn_implementation)
+
+
+@cache
+def _attention_problem(spec: ModelSpec, attn_implementation: str) -> str | None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(spec, attn_implementation)
+    try:
+        model_class: Any = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return f"transformers has no causal LM class for model_type {config.model_type!r} ({spec.name})"
+    flag = _ATTENTION_FLAGS.get(attn_implementation)
+    if flag is not None and not getattr(model_class, flag, False):
+        return (f"{model_class.__name__} has no {attn_implementation} attention in transformers "
+                f"{transformers.__version__}: add eager_attention to the stack")
+    return None
+
+
 def hf_config(spec: ModelSpec, attn_implementation: str):
     """A fresh transformers config for one build (a new object every call)."""
     from transformers import AutoConfig

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .techniques import REGISTRY, Technique
+from .techniques import REGISTRY, Technique, TrainSetup
 from .techniques._alloc_conf import VARIABLE as ALLOC_CONF
 
 BASELINE = "baseline"
@@ -59,6 +59,16 @@ class Stack:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(u.name for u in self.uses)
+
+    @property
+    def setup(self) -> TrainSetup:
+        """Step 1 of a build: the baseline's TrainSetup (pure bf16, sdpa, fused AdamW) as each technique's
+        `configure` changes it, in application order."""
+        setup = TrainSetup()
+        for use in self.uses:
+            if use.technique.configure is not None:
+                setup = use.technique.configure(setup, use.opts)
+        return setup
 
     @property
     def env(self) -> dict[str, str]:

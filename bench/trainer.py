@@ -38,7 +38,7 @@ from .techniques.base import Evidence, Options
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 Uses = tuple[tuple[Technique, Options], ...]
-BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with
+BASELINE_SETUP = TrainSetup()  # pure bf16 weights, sdpa, fused AdamW: what an empty stack trains with (Stack.setup)
 
 
 class Phases(Protocol):
@@ -124,7 +124,7 @@ def build_model(cell: Cell, device: str | None = None) -> Built:
     On the cell's device unless `device` says otherwise (the predictor builds on "meta")."""
     device = device or cell.device
     uses = tuple((u.technique, u.opts) for u in cell.stack.uses)
-    setup = stack_setup(uses)
+    setup = cell.stack.setup
     for technique, opts in uses:
         if technique.before_build is not None:
             technique.before_build(cell, opts)
@@ -166,15 +166,6 @@ def wrap(cell: Cell, built: Built) -> Trainer:
     engine, found = wrap_engine(EngineJob(cell, built.setup, built.uses, built.model, trainable, built.device,
                                           built.deferred))
     return Trainer(cell, built.device, built.setup, built.uses, engine, {**built.evidence, **found}, built.vocab_size)
-
-
-def stack_setup(uses: Uses) -> TrainSetup:
-    """Step 1: the baseline's TrainSetup as each technique's `configure` changes it, in phase order."""
-    setup = BASELINE_SETUP
-    for technique, opts in uses:
-        if technique.configure is not None:
-            setup = technique.configure(setup, opts)
-    return setup
 
 
 def cell_batches(cell: Cell, setup: TrainSetup, vocab_size: int, device: str) -> list[data.Batch]:

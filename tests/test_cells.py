@@ -153,3 +153,40 @@ def test_shards_partition_a_matrix_evenly_without_splitting_a_group() -> None:
 def test_a_bad_shard_is_named(text: str) -> None:
     with pytest.raises(spec.SpecError, match="--shard"):
         cells.Shard.parse(text)
+
+
+def _a_causal_lm_without_sdpa() -> str:
+    """A model_type whose causal LM class this transformers builds without sdpa (gpt-oss's attention
+    sinks, Gemma 2's softcapping in some releases): found in the installed release, not named."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    likely = ("gpt_oss", "gemma2", "vaultgemma")  # looked at first: the scan imports every modeling module
+    for model_type, config_class in sorted(CONFIG_MAPPING.items(), key=lambda item: item[0] not in likely):
+        try:
+            model_class = AutoModelForCausalLM._model_mapping[config_class]
+        except (KeyError, ValueError, ImportError):
+            continue
+        if not getattr(model_class, "_supports_sdpa", True):
+            return model_type
+    pytest.skip("every causal LM of this transformers has sdpa attention")
+
+
+def test_a_model_without_the_stacks_attention_is_skipped_saying_which_technique_builds_it(tmp_path: Path) -> None:
+    """transformers would raise it in the worker's build, after the process and its imports: said at plan time."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    from bench import models
+
+    model_type = _a_causal_lm_without_sdpa()
+    config = CONFIG_MAPPING[model_type]().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    name = models.register_file(tmp_path / "config.json")
+    smoke = spec.get(REPO_MATRIX, "smoke")
+    plain, eager = (cells.make_cell(smoke, "cpu", name, 32, 1, stacks.parse_stack(s)) for s in ("gc", "gc + eager_attention"))
+    reason = cells.skip_reason(plain, smoke, CPU_HOST)
+    assert reason is not None and "has no sdpa attention" in reason and reason.endswith("add eager_attention to the stack")
+    assert cells.skip_reason(eager, smoke, CPU_HOST) is None
+    llama = cells.make_cell(smoke, "cpu", "tiny-llama", 32, 1, stacks.parse_stack("gc"))
+    assert cells.skip_reason(llama, smoke, CPU_HOST) is None
