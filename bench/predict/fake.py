@@ -4,7 +4,9 @@ The build is the worker's (bench/trainer.py), so what is predicted is what would
 
 1. the model is built on the meta device with its stack applied (no memory; seconds for billions
    of parameters), then, inside FakeTensorMode, every parameter and buffer becomes a fake CPU
-   tensor of the same shape, stride and dtype (tied weights stay tied), counted as weights;
+   tensor of the same shape, stride and dtype (tied weights stay tied), counted as weights; and a
+   tied output embedding is made whole and freed, as the GPU's build from the config does before
+   transformers ties it (a block the allocator keeps cached);
 2. the engine and optimizer are made on those, exactly as the trainer makes them;
 3. the cell's batches are drawn for real on the CPU (they are small, and padded or packed layouts
    need real lengths), then copied into fake tensors, all of them alive as on the GPU;
@@ -257,6 +259,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             FakeTensorMode() as mode, counter:
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
+        if _built_from_config(cell, built):
+            _tied_output_made_then_freed(model)
         # weights and parameters counted as the loaded model counts them (a 4-bit weight: its packed bytes)
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
                         total_params=sum(p.numel() for p in model.parameters()))
@@ -320,6 +324,25 @@ def _fake_parameters(model: Any, counter: MemoryCounter, deferred: bool = False)
                     made[id(tensor)] = _meta_like(tensor) if still_meta else _fake_like(tensor, module, is_param, counter)
                 slots[name] = made[id(tensor)]
     return model
+
+
+def _built_from_config(cell: Cell, built: trainer.Built) -> bool:
+    """Whether the GPU run builds this model from its config on the GPU (trainer.base_model), as opposed
+    to a load (a quantized base, Unsloth) or a deferred build (FSDP2, ZeRO-3), which tie on meta."""
+    return built.deferred is None and not any(use.technique.load is not None for use in cell.stack.uses)
+
+
+def _tied_output_made_then_freed(model: Any) -> None:
+    """A build from the config makes the output embedding's weight whole, after every other weight, then
+    transformers ties it to the input embedding's and the whole one is freed (seen in a real build on the
+    CPU under the counter): on the GPU, a block the allocator keeps cached (Llama-3.2-3B's 752 MiB), which
+    the steps reuse or work around. Made and freed here, where the build makes them."""
+    import torch
+
+    nbytes = hybrid.tied_output_bytes(model)
+    if nbytes:
+        made = torch.empty(nbytes, dtype=torch.uint8)
+        del made
 
 
 def _meta_like(param: Any) -> Any:

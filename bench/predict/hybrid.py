@@ -169,14 +169,14 @@ def _whole_then_flat(model: Any, params: list[Any], cpu_check: bool) -> list[tup
     DeepSpeed's initialize empties the cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has
     room, flattens the 16-bit weights into one buffer beside them, and the parameters become its views."""
     events = [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
-    tied = _tied_output_bytes(model)
+    tied = tied_output_bytes(model)
     events += [("malloc", len(params), tied), ("free", len(params), 0)] if tied else []
     events += [] if cpu_check else [("release", 0, 0)]
     events.append(("malloc", len(params) + 1, _block(sum(p.numel() * p.element_size() for p in params))))
     return events + [("free", i, 0) for i in range(len(params))]
 
 
-def _tied_output_bytes(model: Any) -> int:
+def tied_output_bytes(model: Any) -> int:
     """The output embedding's bytes where it is tied to the input embedding, else 0."""
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     if output is None or inputs is None or output.weight is not inputs.weight:

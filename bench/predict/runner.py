@@ -28,9 +28,11 @@ from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
 from . import gpus
 
-METHOD = "fake-run/5"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/6"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
-# 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's)
+# 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
+# embedding made whole then freed by the build, which moves only models with tied embeddings built from
+# their config: Llama-3.2-1B/3B's, Qwen2.5-0.5B/1.5B's)
 
 
 @dataclass(frozen=True)
