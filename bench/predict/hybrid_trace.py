@@ -126,12 +126,14 @@ def live_at(events: list[Event], positions: list[int]) -> list[int]:
 
 def _fake_run_events(counter: MemoryCounter, trace: _Trace) -> None:
     """The fake run's records that DeepSpeed's step keeps as they are: not model states, not made in the
-    plain optimizer's step (DeepSpeed's own step replaces it), and not the plain build's (hybrid.build_events
-    is the engine's build)."""
+    plain optimizer's step (DeepSpeed's own step replaces it), and not the plain build's temporaries (a tied
+    output embedding: hybrid.build_events is the engine's build)."""
     for ident, record in enumerate(counter.records):
         if record.made < 0 or record.freed == record.made or (record.role or "temporary") in MODEL_STATE_ROLES:
             continue
-        if record.where.endswith("/optimizer") or record.where == "build":  # the engine's step; `build_events`
+        if record.where.endswith("/optimizer"):
+            continue
+        if record.where == "build" and (record.role or "temporary") == "temporary":  # `build_events` is the engine's
             continue
         trace.keyed.append(((record.made, 1, len(trace.keyed)), ("malloc", ident, record.nbytes, record.stream)))
         if record.freed is not None:
