@@ -828,7 +828,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
-    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/5"
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
     assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/6"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
