@@ -17,6 +17,7 @@ import pytest
 
 from bench import models, segments, spec, trainer
 from bench.cells import make_cell
+from bench.checkpoints import random_checkpoint
 from bench.predict import bnb, fake, gpus, hybrid
 from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces
 from bench.predict.pinned import PinnedHostCache, block_bytes
@@ -138,6 +139,8 @@ def test_the_fake_build_makes_and_frees_a_tied_output_embedding_as_a_real_build_
         return [(r.nbytes, r.freed is not None and r.freed < steps_from)
                 for r in counter.records if r.where == "build" and r.nbytes >= 1 << 20]
 
+    if stack == "qlora":  # its random checkpoint saved first: a GPU cell makes it on the CPU, not under its counter
+        random_checkpoint(name, cell.seed)
     fake_counter, _, _ = fake.counted_run(cell, Workspaces())
     real_counter, _, _ = fake.counted_run(cell, Workspaces(), fake=False)
     assert large_build_blocks(fake_counter) == large_build_blocks(real_counter)
@@ -336,7 +339,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
     """By hand, one rank, a 100-element bucket, gradients of 60, 30, 20 elements (bf16): the first hook
     makes the bucket (200 B) beside its gradient; the third overflows the bucket, so the first two are
     reduced and the partition (1000 B here) is made while the third waits; backward's end reduces it."""
-    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([20, 30, 60]))
     assert engine.alive_bytes() == 0  # before backward's first gradient: nothing of the engine's
     assert engine.hook(_ready(2, 60)) == 120 + 200
     assert engine.hook(_ready(1, 30)) == 60 + 200
@@ -344,7 +347,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
     assert engine.hook(_ready(0, 20)) == 40 + 200 + 1000  # the reduction before it made the partition
     assert engine.epilogue() == 200 + 1000
     # a model smaller than its bucket: the partition only at backward's end
-    small = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
+    small = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([30, 60]))
     assert small.hook(_ready(1, 60)) + small.hook(_ready(0, 30)) == (120 + 200) + (60 + 200)
     assert small.epilogue() == 200 + 1000
 
@@ -352,7 +355,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
 def test_zero2_holds_a_gradient_larger_than_its_bucket_until_the_next_reduction() -> None:
     """A 150-element gradient does not fit a 100-element bucket: it waits, whole, for the next hook's
     reduction, and is freed only after the partition is made."""
-    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([10, 150]))
     assert engine.hook(_ready(1, 150)) == 300 + 200  # an empty bucket: nothing to reduce first
     assert engine.alive_bytes() == 200 + 300  # still held
     assert engine.hook(_ready(0, 10)) == 20 + 300 + 200 + 1000  # reduced: the partition made while it is held
@@ -363,7 +366,7 @@ def test_zero2_offload_reduces_through_an_fp64_copy_of_each_gradient_and_keeps_n
     """The optimizer on the host: no partition on the GPU; at a reduction each gradient of the rank's in
     turn is copied to fp64 for its norm (8 B an element), so the largest sets the moment."""
     states = dataclasses.replace(_zero2_states(100, 0), to_host=True)
-    engine = hybrid.ZeroBackward(states, partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(states, hybrid.Layout.all_trained([30, 60]))
     engine.hook(_ready(1, 60))
     engine.hook(_ready(0, 30))
     assert engine.epilogue() == 200 + 8 * 60
@@ -375,12 +378,12 @@ def test_zero2_on_several_ranks_flattens_a_bucket_that_spans_their_partitions() 
     temporary (2 B each); one whose gradients all fall in one rank's partition reduces a view."""
     assert hybrid.flat_partitions([50, 30, 40], ranks=2) == ((0,), (0, 1), (1,))  # 120 elements: 60 each
     partition = 2 * 60  # the rank's 60 16-bit gradients
-    across = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.flat_partitions([50, 30, 40], ranks=2))
+    across = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.Layout.all_trained([50, 30, 40], ranks=2))
     across.hook(_ready(2, 40))
     across.hook(_ready(1, 30))
     assert across.epilogue() == 200 + 2 * 70  # the flattened copy, freed before the partition is made
     assert across.alive_bytes() == 200 + partition
-    within = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.flat_partitions([60, 60], ranks=2))
+    within = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.Layout.all_trained([60, 60], ranks=2))
     within.hook(_ready(1, 60))
     assert within.epilogue() == 200 + partition  # a view: nothing flattened
 
@@ -394,13 +397,13 @@ def test_zero3_holds_its_bucket_throughout_and_reduces_through_one_padded_tempor
     """By hand, a 100-element bucket (200 B, held from initialize on): on two ranks, gradients of 61 and
     30 elements are interleaved by rank, each padded to a multiple of 2, into one 16-bit temporary
     (2 x (62 + 30) B) at backward's end; a single gradient that 2 divides is reduced in place."""
-    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=2), partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=2), hybrid.Layout.all_trained([30, 61], ranks=2))
     assert engine.alive_bytes() == 200  # before any gradient: the bucket
     assert engine.hook(_ready(1, 61)) == 122 + 200
     assert engine.hook(_ready(0, 30)) == 60 + 200
     assert engine.epilogue() == 200 + 2 * (62 + 30)
     assert engine.alive_bytes() == 200  # no partition of ZeRO-2's: ZeRO-3's is in the training states
-    single = hybrid.ZeroBackward(_zero3_states(100, ranks=2), partitions_of=((0,),))
+    single = hybrid.ZeroBackward(_zero3_states(100, ranks=2), hybrid.Layout.all_trained([60], ranks=2))
     single.hook(_ready(0, 60))
     assert single.epilogue() == 200
 
@@ -409,8 +412,8 @@ def test_zero3_releases_each_gathered_weight_in_backward_after_its_gradient() ->
     """ZeRO-3 gathers the weights for forward (here 2 x 90 B of a 90-element model, fewer than its
     1e9 live parameters) and releases each after its module's backward: at its gradient's hook, so by
     backward's end none is held."""
-    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180, params=90)
-    engine = hybrid.ZeroBackward(states, partitions_of=((0,), (0,)))
+    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180)
+    engine = hybrid.ZeroBackward(states, hybrid.Layout.all_trained([30, 60], ranks=2))
     assert engine.alive_bytes() == 200 + 180
     assert engine.hook(_ready(1, 60)) == 120 + 200 + 180  # its weight still held while its gradient is copied
     assert engine.alive_bytes() == 200 + 60
@@ -423,12 +426,12 @@ def test_zero3_offload_sends_each_partition_to_the_host_through_copies_on_the_gp
     16-bit buffer to the GPU (2 B an element) and is cast to fp64 for its norm, 250M elements at a time
     (8 B each), then to fp32 (4 B): the largest partition's copies, beside the interleaved temporary. A
     gradient over 250M elements costs its fp32 copy more than its fp64 chunk."""
-    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=1, to_host=True), partitions_of=((0,), (0,)))
+    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=1, to_host=True), hybrid.Layout.all_trained([30, 60]))
     engine.hook(_ready(1, 60))
     engine.hook(_ready(0, 30))
     assert engine.epilogue() == 200 + 2 * 90 + (2 + 8) * 60
     huge = 600_000_000
-    big = hybrid.ZeroBackward(_zero3_states(huge, ranks=1, to_host=True), partitions_of=((0,),))
+    big = hybrid.ZeroBackward(_zero3_states(huge, ranks=1, to_host=True), hybrid.Layout.all_trained([huge]))
     big.hook(_ready(0, huge))
     assert big.epilogue() == 2 * huge + 2 * huge + max(8 * 250_000_000, 4 * huge)
 
@@ -461,9 +464,9 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 
     for stack, step_b_per_param, bucket_in_step in (("zero2", 22, False), ("zero3", 24, True)):
         cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-        numels = [p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()]
-        params = sum(numels)
-        states = hybrid.model_states(cell, numels, largest_layer_params=0)
+        layout = hybrid.Layout.of(trainer.build_model(cell, device="meta").model, ranks=1)
+        params = layout.total
+        states = hybrid.model_states(cell, layout, largest_layer_params=0)
         assert states.step_bytes == step_b_per_param * params and states.bucket_in_step is bucket_in_step
         # no activations: training's most is at backward's end, with the bucket and ZeRO-2's partition
         training = states.training_bytes + states.bucket_bytes + states.partition_bytes
@@ -487,7 +490,7 @@ def _mid_llama(directory: Path) -> Path:
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("stack", ["zero2", "zero3", "gc + zero3", "zero2(bucket=5000000)", "offload + zero2",
                                    "zero3 + offload", "gc + offload(params=true) + zero3",
-                                   "offload(optimizer=false, params=true) + zero3"])
+                                   "offload(optimizer=false, params=true) + zero3", "lora + zero2", "gc + lora + zero3"])
 def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> None:
     """The hybrid's trace (bench/predict/hybrid_trace.py: the build, the fake run's own allocations and
     the engine's, in order) holds at its most what the hybrid counts moment by moment, on one GPU and on
@@ -499,10 +502,9 @@ def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> N
     counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
     found = hybrid.assembled(cell, counter, gpu)
     meta = trainer.build_model(cell, device="meta").model
-    numels = [p.numel() for p in meta.parameters()]
-    states = hybrid.model_states(cell, numels, hybrid.largest_layer_params(meta))
-    events, ends = hybrid_trace.engine_trace(counter, states, numels, hybrid.flat_partitions(numels, ranks),
-                                             hybrid.build_events(meta, cell))
+    layout = hybrid.Layout.of(meta, ranks, counter.needs_backward)
+    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
+    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
     assert len(ends) == len(counter.steps) and ends == sorted(ends)
     most = max(hybrid_trace.live_at(events, list(range(len(events) + 1))))
     assert most == pytest.approx(found["peak_allocated_gib"] * 2**30, rel=1e-4)
@@ -526,7 +528,7 @@ def test_zero3s_step_takes_one_optimizer_sub_group_at_a_time() -> None:
     """ZeRO-3 steps a rank's partitions one sub-group at a time (sub-groups close once they reach 1e9
     elements): the fp32 gradients and AdamW's temporary (8 B each) are the largest sub-group's, not the
     whole partition's, beside the 16 B/param every state holds. ZeRO-2 steps its whole partition."""
-    numels = [600_000_000, 600_000_000, 300_000_000]  # one rank: sub-groups of 1.2e9 and 3e8
+    numels = hybrid.Layout.all_trained([600_000_000, 600_000_000, 300_000_000])  # one rank: sub-groups of 1.2e9 and 3e8
     zero3 = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3"))
     assert hybrid.phased(zero3, numels) == (16 * 1_500_000_000, 16 * 1_500_000_000 + 8 * 1_200_000_000,
                                             16 * 1_500_000_000)
@@ -556,10 +558,10 @@ def test_zero3s_step_by_sub_groups_meets_deepspeeds_own_engine_on_a_cpu(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("ranks", "stacks", "zero3_live"), [
-    (1, ("zero2", "zero3", "zero2(bucket=5000000)", "offload + zero2", "zero3(bucket=5000000) + offload(params=true)"),
-     None),
+    (1, ("zero2", "zero3", "zero2(bucket=5000000)", "offload + zero2", "zero3(bucket=5000000) + offload(params=true)",
+         "gc + lora + zero3"), None),
     (2, ("zero2", "zero2(bucket=20000000)", "gc + zero3 + offload(params=true)",
-         "zero3 + offload(optimizer=false, params=true)"), None),
+         "zero3 + offload(optimizer=false, params=true)", "lora + zero2"), None),
     (2, ("zero3", "zero3 + offload"), 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
 ])
 def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: int, stacks: tuple[str, ...],
@@ -569,7 +571,8 @@ def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: 
     allocated less the bucket both hold, within 1% (0.0% under torch 2.13, transformers 5.24; ZeRO-3 with
     its live-parameter and reuse limits scaled down, -0.4%). The small buckets reduce in mid-backward;
     5M elements is less than the embedding's 8.4M gradient, which waits for the next reduction; on two
-    ranks the reductions flatten the gradients of both partitions. The offload stacks are compared at their
+    ranks the reductions flatten the gradients of both partitions. LoRA under ZeRO: the engine holds the
+    adapters' states alone, the frozen base its 16-bit weights. The offload stacks are compared at their
     peak, their GPU's and host's tensors together (on a CPU both are the CPU's). Peak reserved, without
     offload: the hybrid's trace replayed through the allocator's model against DeepSpeed's own allocations
     replayed alike, within 1% (equal, but ZeRO-3 with its limits scaled down -0.4%)."""
@@ -602,7 +605,7 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     largest = json.loads(proc.stdout.strip().splitlines()[-1])["largest_bytes"]
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-    assert hybrid.model_states(cell, [225_000], largest_layer_params=65_536).bucket_bytes == largest
+    assert hybrid.model_states(cell, hybrid.Layout.all_trained([225_000]), largest_layer_params=65_536).bucket_bytes == largest
 
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:
@@ -731,10 +734,46 @@ def test_fsdp_cpu_offload_keeps_shards_gradients_and_optimizer_state_on_the_host
                              gpus.get("h100"))["status"] == "unsupported"
 
 
-def test_a_zero_cell_with_lora_is_not_predicted_as_if_every_parameter_trained() -> None:
-    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("lora + zero2"))
+def test_a_zero_cell_with_a_quantized_base_is_not_predicted() -> None:
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("gc + qlora + zero2"))
     found = fake.predict_cell(cell, gpus.get("h100"))
-    assert found["status"] == "unsupported" and "counts every parameter as trained" in found["unsupported_reason"]
+    assert found["status"] == "unsupported" and "quantized base" in found["unsupported_reason"]
+
+
+@pytest.mark.parametrize(("stack", "ranks"), [("lora + zero2", 1), ("lora + zero2", 2), ("lora + zero3", 2)])
+def test_a_zero_cell_with_lora_keeps_fp32_states_of_its_adapters_only(stack: str, ranks: int) -> None:
+    """DeepSpeed is given the trained parameters only: the adapters have fp32 master weights, both
+    moments (12 B each, partitioned) and, in the step, fp32 gradients and AdamW's temporary (8 B); the
+    frozen base is its 16-bit weights, whole under ZeRO-2, partitioned under ZeRO-3 (with the adapters'
+    16-bit gradient partition: 2 + 2 B). The adapters train in bf16, as deepspeed.initialize casts them."""
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
+    layout = hybrid.Layout.of(trainer.build_model(cell, device="meta").model, ranks)
+    params, adapters = layout.total, sum(layout.trained_numels)
+    assert 0 < adapters < params / 2
+    part = -(-adapters // ranks)
+    training, step, _ = hybrid.phased(cell, layout)
+    weights = 2 * params if "zero2" in stack else 2 * -(-params // ranks) + 2 * part
+    assert (training, step) == (weights + 12 * part, weights + 20 * part)
+    assert [u.opts["adapter_dtype"] for u in hybrid.activation_cell(cell).stack.uses] == ["bf16"]
+    found = fake.predict_cell(cell, gpus.get("h100"))
+    assert found["status"] == "ok", found.get("error")
+    assert (found["total_params"], found["trainable_params"]) == (params, adapters)
+
+
+def test_zero3_releases_a_frozen_weight_once_backward_has_passed_its_module() -> None:
+    """A LoRA layout: frozen base weights (positions 0, 3, 5) among adapters (1, 2, 4). Backward runs the
+    modules in reverse, so the hook of an adapter's gradient releases its own gathered weight and the
+    frozen ones after it, up to the next adapter; the first frozen weight stays until backward's end."""
+    layout = hybrid.Layout((100, 10, 10, 100, 10, 100), trained=(1, 2, 4), ranks=2)
+    assert [list(layout.released_at(i)) for i in range(3)] == [[1], [2, 3], [4, 5]]
+    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=2 * 330)
+    engine = hybrid.ZeroBackward(states, layout)
+    assert engine.alive_bytes() == 200 + 660
+    engine.hook(_ready(2, 10))  # the last adapter: it and the last base weight
+    assert engine.alive_bytes() == 200 + 2 * 220
+    engine.hook(_ready(1, 10))
+    engine.hook(_ready(0, 10))
+    assert engine.alive_bytes() == 200 + 2 * 100  # the first base weight, until backward's end
 
 
 def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors_as_on_real_ones() -> None:

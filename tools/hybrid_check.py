@@ -154,9 +154,9 @@ def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
     from bench.predict import hybrid
 
     meta = trainer.build_model(cell, device="meta").model
-    numels = [p.numel() for p in meta.parameters()]
-    states = hybrid.model_states(cell, numels, hybrid.largest_layer_params(meta), cpu_check=True)
-    training = hybrid.training_peak(steps, states, hybrid.flat_partitions(numels, cell.gpus))
+    layout = hybrid.Layout.of(meta, cell.gpus, steps.needs_backward)
+    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta), cpu_check=True)
+    training = hybrid.training_peak(steps, states, layout)
     bucket = states.bucket_bytes if states.bucket_in_step else 0
     moments = {training.where: training.nbytes + states.host_training_bytes // cell.gpus,
                "optimizer step": states.step_bytes + bucket + hybrid.kept_between_steps(steps)

@@ -167,7 +167,8 @@ class MemoryCounter(TorchDispatchMode):
         self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.gradients_ready: list[GradientReady] = []  # in order, once `watch_gradients` is called
-        self._gradient_hooks: list[Any] = []
+        self._gradient_hooks: list[Any] = []  # and the module hooks of `watch_backward_use`
+        self.needs_backward: dict[int, bool] = {}  # a parameter's position -> whether backward runs a module of it
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
         # Memory counted apart from the caching allocator's (POOLS): "pinned" (pin_memory=True, or made inside
@@ -443,6 +444,21 @@ class MemoryCounter(TorchDispatchMode):
         trainable = [p for p in params if p.requires_grad]
         self._gradient_hooks += [p.register_post_accumulate_grad_hook(functools.partial(ready, i))
                                  for i, p in enumerate(trainable)]
+
+    def watch_backward_use(self, model: Any) -> None:
+        """Note, for each parameter (its position in `model.parameters()`), whether backward runs a module
+        that holds it: whether any of its modules' outputs requires a gradient in forward
+        (`needs_backward`). A frozen base's modules before its first trained one do not (an engine that
+        gathers weights for a module's backward, DeepSpeed's ZeRO-3, never gathers theirs there)."""
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+
+        def after_forward(module: Any, args: Any, output: Any) -> None:
+            needed = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+            for param in module.parameters(recurse=False):
+                if id(param) in position:
+                    self.needs_backward[position[id(param)]] = needed or self.needs_backward.get(position[id(param)], False)
+        self._gradient_hooks += [m.register_forward_hook(after_forward) for m in model.modules()
+                                 if next(m.parameters(recurse=False), None) is not None]
 
     def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
         """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""

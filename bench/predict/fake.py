@@ -279,6 +279,7 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     counter.watch_gradients(job.engine.model.parameters())  # where ZeRO's hooks would take them (hybrid.py)
+    counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
     for stage, batch in _stepped(cell, built, batches):
         with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)

@@ -44,6 +44,20 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
   stepped in four, as a rank of more than 1e9 parameters is), `zero3(bucket=5000000)` at seq 256, batch 2,
   one rank, peaking in the step: exact, with sub-groups of 2e7 and 4e7 (the whole partition at once was
   +11% with the default bucket);
+- LoRA and DoRA under ZeRO (`Layout`: DeepSpeed is given the trained parameters only, so the adapters
+  alone have fp32 master weights, moments, gradient partitions and hooks; the frozen base is 16-bit
+  weights, whole under ZeRO-2, partitioned and gathered under ZeRO-3; deepspeed.initialize casts the
+  adapters to bf16): the 62M Llama, one rank, seq 256, batch 2, `lora + zero2` 1.143 GiB and `lora +
+  zero3` 1.189, equal; seq 1024, batch 4, `lora + zero2`, `lora + zero3`, `gc + lora + zero3`,
+  `lora(r=64) + zero3`, `dora + zero2`, `gc + lora + zero2` equal, reserved too; two ranks at seq 256,
+  `lora + zero2`, `gc + lora + zero2`, `dora + zero2` equal, and at seq 1024, batch 4 `lora + zero3` and
+  `gc + lora + zero3` too (2.094, 1.545 GiB; `lora + zero3` was +0.9% while the embedding and the first
+  layer's frozen projections, which backward never runs without gc, were counted gathered through
+  backward: `Layout.without_backward`); Qwen2.5-0.5B (tied embeddings, frozen) one rank `lora + zero2`
+  2.593, `lora + zero3` 3.472, equal (reserved +0.3% and 0.0%). ZeRO-3 on two ranks at seq 256 peaks in
+  forward: `lora + zero3` -3.5%, `gc + lora + zero3` -4.6% (the all-gather buffers, below, weigh more
+  beside LoRA's smaller states). DoRA under ZeRO-3 (or FSDP2) is refused: its magnitudes are
+  initialised from weights a deferred build does not have yet;
 - peak reserved (hybrid/6), DeepSpeed's own allocations in their order replayed through the allocator's
   model against the hybrid's trace replayed alike (bench/predict/hybrid_trace.py), one stream as on a
   CPU: the 62M Llama at seq 1024, batch 4, `zero2`, `zero3`, `gc + zero2`, `gc + zero3`,
@@ -83,13 +97,14 @@ all gathered (not what `max_live_parameters` says: the suite keeps both at DeepS
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import measure, trainer
 from ..cells import Cell
-from ..stacks import Stack
+from ..stacks import Stack, Use
 from . import allocator, save
 from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
 from .gpus import GpuKind
@@ -104,6 +119,63 @@ ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
 WORKER_PROCESS_GIB = 1.53
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's parameters as a ZeRO engine meets them, in the model's order (`model.parameters()`):
+    each one's elements, and which are trained. The engine is given the trained ones only (the trainer
+    hands deepspeed.initialize those): its flat 16-bit buffers, fp32 master weights, moments, gradient
+    partitions and gradient hooks cover them alone. A frozen one (a LoRA base) stays a 16-bit weight:
+    whole on every rank under ZeRO-2, partitioned and gathered like the others under ZeRO-3. A gradient
+    hook's index (`GradientReady.index`) is its parameter's rank among the trained. A frozen one whose
+    modules backward never runs (`without_backward`: nothing before them trains, so their outputs need no
+    gradient; seen in the fake run, `MemoryCounter.needs_backward`) is released by ZeRO-3 after its
+    forward, once it has the trace of a step: it is not gathered through the rest of the step."""
+
+    numels: tuple[int, ...]
+    trained: tuple[int, ...]  # the trained parameters' positions in `numels`, in order
+    ranks: int = 1
+    without_backward: frozenset[int] = frozenset()  # frozen parameters' positions whose modules backward never runs
+
+    @classmethod
+    def of(cls, model: Any, ranks: int, needs_backward: dict[int, bool] | None = None) -> Layout:
+        """`needs_backward`: from the fake run of the cell (`MemoryCounter.needs_backward`); without it,
+        every parameter is taken to be gathered for backward."""
+        params = list(model.parameters())
+        trained = tuple(i for i, p in enumerate(params) if p.requires_grad)
+        unused = frozenset(i for i, needed in (needs_backward or {}).items() if not needed and i not in trained)
+        return cls(tuple(p.numel() for p in params), trained, ranks, unused)
+
+    @classmethod
+    def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
+        return cls(tuple(numels), tuple(range(len(numels))), ranks)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def trained_numels(self) -> list[int]:
+        return [self.numels[i] for i in self.trained]
+
+    @property
+    def held_for_backward(self) -> int:
+        """The elements of the weights ZeRO-3 keeps gathered from forward into backward, at most."""
+        return self.total - sum(self.numels[i] for i in self.without_backward)
+
+    @functools.cached_property
+    def partitions_of(self) -> tuple[tuple[int, ...], ...]:
+        """For each trained parameter, the ranks whose ZeRO-2 partition its gradient falls in."""
+        return flat_partitions(self.trained_numels, self.ranks)
+
+    def released_at(self, index: int) -> list[int]:
+        """The positions whose weights ZeRO-3 has released, gathered, by the hook of the `index`-th
+        trained parameter's gradient: its own, and the frozen ones after it up to the next trained
+        one (backward runs the modules in reverse: it has passed theirs), but those it never gathered
+        for backward. Without frozen ones, its own."""
+        end = self.trained[index + 1] if index + 1 < len(self.trained) else len(self.numels)
+        return [i for i in range(self.trained[index], end) if i not in self.without_backward]
 
 
 @dataclass(frozen=True)
@@ -124,7 +196,6 @@ class ModelStates:
     host_training_bytes: int = 0  # the host's through forward and backward, all ranks together
     gathered_bytes: int = 0  # ZeRO-3's weights gathered whole through forward, 16-bit (not in training_bytes)
     weights_on_host: bool = False  # ZeRO-3's 16-bit partition offloaded (`offload(params=true)`)
-    params: int = 0  # the model's, all ranks together
     ranks: int = 1
     cpu_check: bool = False  # tools/hybrid_check.py: host and device one (copies between them no-ops), gloo's collectives
 
@@ -166,14 +237,21 @@ def build_events(model: Any, cell: Cell, cpu_check: bool = False) -> list[tuple[
 def _whole_then_flat(model: Any, params: list[Any], cpu_check: bool) -> list[tuple[str, int, int]]:
     """ZeRO-2's build on each GPU: each parameter whole, and a tied output embedding made whole, then tied
     away (freed: transformers makes the layer, then ties its weight to the input embedding's); then
-    DeepSpeed's initialize empties the cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has
-    room, flattens the 16-bit weights into one buffer beside them, and the parameters become its views."""
+    deepspeed.initialize casts every parameter to bf16 (a LoRA's fp32 adapters: each copied, the
+    original freed), empties the cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has
+    room, flattens the trained 16-bit weights into one buffer beside them, and those become its views."""
     events = [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
     tied = tied_output_bytes(model)
     events += [("malloc", len(params), tied), ("free", len(params), 0)] if tied else []
+    current = list(range(len(params)))  # each parameter's id, a cast's copy past the others'
+    for i, param in enumerate(params):
+        if param.element_size() != 2:
+            current[i] = len(params) + 2 + i
+            events += [("malloc", current[i], _block(2 * param.numel())), ("free", i, 0)]
     events += [] if cpu_check else [("release", 0, 0)]
-    events.append(("malloc", len(params) + 1, _block(sum(p.numel() * p.element_size() for p in params))))
-    return events + [("free", i, 0) for i in range(len(params))]
+    trained = [i for i, p in enumerate(params) if p.requires_grad]
+    events.append(("malloc", len(params) + 1, _block(sum(2 * params[i].numel() for i in trained))))
+    return events + [("free", current[i], 0) for i in trained]
 
 
 def tied_output_bytes(model: Any) -> int:
@@ -186,16 +264,17 @@ def tied_output_bytes(model: Any) -> int:
 
 def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
     """ZeRO-3's build on one rank's GPU: each parameter whole, its partition (unless offloaded), the whole
-    freed; then each gathered whole for its init and freed; then the cache emptied."""
+    freed; then each gathered whole for its init and freed; then the cache emptied. The i-th parameter
+    from the last has its partition's id P + i."""
     events: list[tuple[str, int, int]] = []
     made = len(params)  # ids past the parameters' for the partitions
     for i, param in enumerate(reversed(params)):  # converted children first, as the engine walks the modules
-        events.append(("malloc", i, _block(param.numel() * param.element_size())))
+        events.append(("malloc", i, _block(2 * param.numel())))  # in bf16, fp32 adapters too (bench/engines/deepspeed.py)
         if not offloaded:
-            events.append(("malloc", made + i, _block(per_rank(param.numel(), ranks) * param.element_size())))
+            events.append(("malloc", made + i, _block(2 * per_rank(param.numel(), ranks))))
         events.append(("free", i, 0))
     for i, param in enumerate(params):
-        events += [("malloc", i, _block(param.numel() * param.element_size())), ("free", i, 0)]
+        events += [("malloc", i, _block(2 * param.numel())), ("free", i, 0)]
     return [*events, ("release", 0, 0)]
 
 
@@ -230,11 +309,18 @@ def is_hybrid(cell: Cell) -> bool:
     return any(name in ("zero2", "zero3") for name in cell.stack.names)
 
 
+ADAPTERS = ("lora", "dora")  # a frozen 16-bit base under the engine: `Layout` says which parameters train
+
+
 def unsupported_reason(cell: Cell) -> str | None:
-    adapters = {"lora", "dora", "qlora", "int8_lora"}.intersection(cell.stack.names)
-    if adapters:
-        return (f"{', '.join(sorted(adapters))} under ZeRO: the hybrid counts every parameter as trained "
-                "(master weights, moments, gradients)")
+    quantized = {"qlora", "int8_lora"}.intersection(cell.stack.names)
+    if quantized:
+        return f"{', '.join(sorted(quantized))} under ZeRO: a quantized base under DeepSpeed is not modelled"
+    adapters = set(ADAPTERS).intersection(cell.stack.names)
+    if adapters and "offload" in cell.stack.names:
+        return f"{', '.join(sorted(adapters))} under ZeRO with offload: not modelled yet (checked without offload only)"
+    if adapters and cell.checkpoint != "none":
+        return f"the save of {', '.join(sorted(adapters))} adapters under ZeRO is not modelled"
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -243,18 +329,25 @@ def unsupported_reason(cell: Cell) -> str | None:
 
 
 def activation_cell(cell: Cell) -> Cell:
-    """The cell with its engine taken out: the plain engine runs the same bf16 forward and backward."""
-    kept = tuple(u for u in cell.stack.uses if u.name not in ENGINE_TECHNIQUES)
+    """The cell with its engine taken out: the plain engine runs the same bf16 forward and backward.
+    deepspeed.initialize casts every parameter to bf16, so LoRA's adapters train in bf16 under it (peft
+    makes them fp32): the activation cell's adapters are bf16 too."""
+    kept = tuple(_in_bf16(u) if u.name in ADAPTERS else u for u in cell.stack.uses if u.name not in ENGINE_TECHNIQUES)
     return replace(cell, stack=Stack(kept), gpus=1)
 
 
-def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_check: bool = False) -> ModelStates:
-    """The cell's model states from its parameters' sizes (`numels`, in the model's order). `cpu_check`:
-    as DeepSpeed makes them on a CPU, whose host is its device (tools/hybrid_check.py)."""
+def _in_bf16(use: Use) -> Use:
+    return replace(use, options=tuple((k, "bf16" if k == "adapter_dtype" else v) for k, v in use.options))
+
+
+def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_check: bool = False) -> ModelStates:
+    """The cell's model states from its parameters' sizes and which train (`layout`). `cpu_check`: as
+    DeepSpeed makes them on a CPU, whose host is its device (tools/hybrid_check.py). DeepSpeed's
+    estimator (`gpu_bytes`) counts every parameter as trained."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    uses, total_params, ranks = _uses(cell), sum(numels), cell.gpus
+    uses, total_params, ranks, numels = _uses(cell), layout.total, cell.gpus, list(layout.numels)
     offload = uses.get("offload", {})
     optimizer_offload, params_offload = bool(offload.get("optimizer")), bool(offload.get("params"))
     stage = 3 if "zero3" in uses else 2
@@ -274,8 +367,8 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
     gathers = stage == 3 and (ranks > 1 or (params_offload and not cpu_check))
     base = ModelStates(gpu_bytes=int(gpu), host_bytes=0, bucket_bytes=2 * elements, training_bytes=0, step_bytes=0,
                        after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
-                       gathered_bytes=2 * min(total_params, max_live_parameters()) if gathers else 0,
-                       params=total_params, weights_on_host=stage == 3 and params_offload)
+                       gathered_bytes=2 * min(layout.held_for_backward, max_live_parameters()) if gathers else 0,
+                       weights_on_host=stage == 3 and params_offload)
     pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
     if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
         if stage == 2:
@@ -286,11 +379,11 @@ def model_states(cell: Cell, numels: list[int], largest_layer_params: int, cpu_c
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
     if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
         weights = 2 * per_rank(total_params, ranks)
-        training, step, after = (nbytes - weights for nbytes in phased(cell, numels))
+        training, step, after = (nbytes - weights for nbytes in phased(cell, layout))
         return replace(base, host_bytes=ranks * pin(weights), training_bytes=training, step_bytes=step,
                        after_step_bytes=after, host_training_bytes=ranks * pin(weights))
-    training, step, after = phased(cell, numels)
-    partition = 0 if stage == 3 else 2 * per_rank(total_params, ranks)
+    training, step, after = phased(cell, layout)
+    partition = 0 if stage == 3 else 2 * per_rank(sum(layout.trained_numels), ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
 
 
@@ -355,7 +448,7 @@ def sub_groups(parts: list[int]) -> list[int]:
     return [*groups, now] if now else groups
 
 
-def phased(cell: Cell, numels: list[int]) -> tuple[int, int, int]:
+def phased(cell: Cell, layout: Layout) -> tuple[int, int, int]:
     """(training, step, after step) bytes per GPU of a ZeRO stage without offload, bf16 with fp32 master
     weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
     of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
@@ -364,12 +457,14 @@ def phased(cell: Cell, numels: list[int]) -> tuple[int, int, int]:
     `ModelStates.partition_bytes`, not in training's figure); its step takes the whole partition at once.
     ZeRO-3 keeps both 16-bit partitions throughout (4 B each; and, on several ranks, the weights it
     gathers: `ModelStates.gathered_bytes`); its step takes one optimizer sub-group at a time
-    (`sub_groups`), so the fp32 gradients and the temporary are the largest sub-group's."""
-    params, ranks = sum(numels), cell.gpus
-    partition = per_rank(params, ranks)
+    (`sub_groups`), so the fp32 gradients and the temporary are the largest sub-group's. Only the
+    trained parameters (`Layout`) have the fp32 and gradient states; a frozen one is its 16-bit weight
+    (ZeRO-2: whole, ZeRO-3: its partition)."""
+    params, ranks, trained = layout.total, cell.gpus, layout.trained_numels
+    partition = per_rank(sum(trained), ranks)
     if "zero3" in cell.stack.names:
-        after = 16 * partition
-        return after, after + 8 * max(sub_groups([per_rank(n, ranks) for n in numels])), after
+        after = 2 * per_rank(params, ranks) + 14 * partition
+        return after, after + 8 * max(sub_groups([per_rank(n, ranks) for n in trained]), default=0), after
     after = 2 * params + 12 * partition
     return after, after + 8 * partition, after
 
@@ -385,7 +480,7 @@ MODEL_STATE_ROLES = ("weight", "gradient", "optimizer_state")  # what DeepSpeed'
 TRAINING_PHASES = ("forward", "backward")
 
 
-def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tuple[tuple[int, ...], ...]) -> Peak:
+def training_peak(counter: MemoryCounter, states: ModelStates, layout: Layout) -> Peak:
     """The most bytes one rank holds in forward and backward: the training model states, plus the fake
     run's other bytes moment by moment (activations, temporaries, the batch, workspaces), plus the
     engine's own (`ZeroBackward`): its bucket, and what its gradient hooks hold and reduce, placed
@@ -400,7 +495,7 @@ def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tu
     where = ""
     for _, moment, gradient in timeline:
         if gradient is not None:  # a hook, in backward
-            backward = backward or ZeroBackward(states, partitions_of)
+            backward = backward or ZeroBackward(states, layout)
             peak = _more(peak, states.training_bytes + live + backward.hook(gradient), where, "gradient hook")
             continue
         assert moment is not None
@@ -409,7 +504,7 @@ def training_peak(counter: MemoryCounter, states: ModelStates, partitions_of: tu
             peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
             backward = None
         if phase == "backward" and backward is None:
-            backward = ZeroBackward(states, partitions_of)
+            backward = ZeroBackward(states, layout)
         live, where = moment.live_bytes, moment.where or where
         if moment.allocated and phase in TRAINING_PHASES:
             engine = backward.alive_bytes() if backward is not None else outside_backward
@@ -435,19 +530,20 @@ class ZeroBackward:
     - the bucket (`reduce_bucket_size` 16-bit elements): ZeRO-2 makes it at the first gradient's hook,
       ZeRO-3 holds it from initialize on;
     - ZeRO-3's gathered weights (`ModelStates.gathered_bytes`): each is released after its module's
-      backward, here at its gradient's hook; so no more are held than the weights yet to be hooked;
+      backward, here at its gradient's hook (a frozen one's: `Layout.released_at`); so no more are
+      held than the weights yet to be released;
     - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
       hook. One larger than the bucket waits, alone, for the next reduction;
     - a gradient that would overflow the bucket first reduces it, and backward's end reduces what is
       left (`_reduce`).
 
-    `partitions_of[i]`: the ranks whose ZeRO-2 partitions parameter i's gradient falls in (`flat_partitions`)."""
+    `layout`: the parameters, which train, and the ranks whose ZeRO-2 partitions each gradient falls in."""
 
     states: ModelStates
-    partitions_of: tuple[tuple[int, ...], ...]
+    layout: Layout
     bucket_bytes: int = 0
     partition_bytes: int = 0
-    hooked_elements: int = 0  # the parameters whose gradients' hooks have run
+    released_elements: int = 0  # the parameters whose gathered weights have been released (ZeRO-3)
     filled: list[GradientReady] = field(default_factory=list)  # since the last reduction, in order
 
     def __post_init__(self) -> None:
@@ -456,7 +552,7 @@ class ZeroBackward:
 
     def alive_bytes(self) -> int:
         held = sum(g.nbytes for g in self.filled if g.elements > self.states.bucket_elements)
-        gathered = min(self.states.gathered_bytes, 2 * max(self.states.params - self.hooked_elements, 0))
+        gathered = min(self.states.gathered_bytes, 2 * max(self.layout.held_for_backward - self.released_elements, 0))
         return self.bucket_bytes + self.partition_bytes + held + gathered
 
     def hook(self, gradient: GradientReady) -> int:
@@ -467,7 +563,7 @@ class ZeroBackward:
             most = self._reduce(waiting_bytes=gradient.nbytes)
         most = max(most, gradient.nbytes + self.alive_bytes())
         self.filled.append(gradient)
-        self.hooked_elements += gradient.elements  # its weight released after its module (ZeRO-3)
+        self.released_elements += sum(self.layout.numels[i] for i in self.layout.released_at(gradient.index))
         return most
 
     def overflows(self, gradient: GradientReady) -> bool:
@@ -503,7 +599,7 @@ class ZeroBackward:
         each of its gradients in turn goes to the host, through an fp64 copy on the GPU for its norm
         (DeepSpeed's norms accumulate in fp64): the largest's sets the moment (all of it: the
         most-loaded rank)."""
-        ranks = {rank for g in self.filled for rank in self.partitions_of[g.index]}
+        ranks = {rank for g in self.filled for rank in self.layout.partitions_of[g.index]}
         flattened = 2 * sum(g.elements for g in self.filled) if len(ranks) > 1 else 0
         to_host = 8 * max(g.elements for g in self.filled) if self.states.to_host else 0
         return Reduction(copy=flattened, norm=to_host)
@@ -613,24 +709,23 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     replayed as one trace, and the save's. `cpu_check`: as DeepSpeed's engine makes them on a CPU
     (tools/hybrid_check.py; `model_states`)."""
     meta = trainer.build_model(cell, device="meta").model
-    numels = [p.numel() for p in meta.parameters()]
-    states = model_states(cell, numels, largest_layer_params(meta), cpu_check)
-    partitions = flat_partitions(numels, cell.gpus)
-    training = training_peak(counter, states, partitions)
-    replayed = replayed_columns(cell, counter, states, numels, build_events(meta, cell, cpu_check), gpu)
+    layout = Layout.of(meta, cell.gpus, counter.needs_backward)
+    states = model_states(cell, layout, largest_layer_params(meta), cpu_check)
+    training = training_peak(counter, states, layout)
+    replayed = replayed_columns(cell, counter, states, layout, build_events(meta, cell, cpu_check), gpu)
     out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
-    return {**out, **_save(cell, counter, states, numels, out),
-            "total_params": sum(numels), "trainable_params": sum(numels), "allocations": len(counter.records)}
+    return {**out, **_save(cell, counter, states, list(layout.numels), out), "total_params": layout.total,
+            "trainable_params": sum(layout.trained_numels), "allocations": len(counter.records)}
 
 
-def replayed_columns(cell: Cell, counter: MemoryCounter, states: ModelStates, numels: list[int],
+def replayed_columns(cell: Cell, counter: MemoryCounter, states: ModelStates, layout: Layout,
                      build: list[tuple[str, int, int]], gpu: GpuKind) -> dict[str, Any]:
     """The build's allocations (`build_events`), the fake run's and the engine's, as one trace
     (bench/predict/hybrid_trace.py), replayed through the caching allocator's model: peak reserved,
     fits, the smallest card, the steps'."""
     from . import fake, hybrid_trace
 
-    events, ends = hybrid_trace.engine_trace(counter, states, numels, flat_partitions(numels, cell.gpus), build)
+    events, ends = hybrid_trace.engine_trace(counter, states, layout, build)
     steps = [replace(s, live_bytes=live) for s, live in zip(counter.steps, hybrid_trace.live_at(events, ends), strict=True)]
     return fake.replayed_columns(cell, events, ends, steps, gpu)
 

@@ -43,7 +43,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from .counter import GradientReady, MemoryCounter
-from .hybrid import MODEL_STATE_ROLES, ModelStates, Reduction, ZeroBackward, per_rank, sub_groups
+from .hybrid import MODEL_STATE_ROLES, Layout, ModelStates, Reduction, ZeroBackward, per_rank, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
 Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream), as allocator.replay takes them
@@ -80,15 +80,14 @@ class _Trace:
         self.keyed.append(((*self.at, len(self.keyed)), event))
 
 
-def engine_trace(counter: MemoryCounter, states: ModelStates, numels: list[int],
-                 partitions_of: tuple[tuple[int, ...], ...],
+def engine_trace(counter: MemoryCounter, states: ModelStates, layout: Layout,
                  build: list[tuple[str, int, int]]) -> tuple[list[Event], list[int]]:
     """The fake run's allocations besides its model states and optimizer step, merged with the ZeRO
     engine's on one rank (the most loaded: rank 0), in order, for allocator.replay; and for each of the
     fake run's steps, how many of the events precede its end (its optimizer step included)."""
     trace = _Trace(next_id=len(counter.records))
     _fake_run_events(counter, trace)
-    engine = _Engine(states, numels, partitions_of, trace)
+    engine = _Engine(states, layout, trace)
     engine.initialize(build)
     forward_starts = _phase_starts(counter, "forward")
     hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
@@ -157,12 +156,11 @@ class _Engine:
     """DeepSpeed's allocations on one rank's GPU, emitted into `trace` as the engine makes them."""
 
     states: ModelStates
-    numels: list[int]
-    partitions_of: tuple[tuple[int, ...], ...]
+    layout: Layout
     trace: _Trace
     bucket: int | None = None  # the bucket's id while it lives (ZeRO-2: one backward)
     partition: int | None = None  # ZeRO-2's 16-bit gradient partition's, from the first reduction to the step
-    gathered: dict[int, int] = field(default_factory=dict)  # parameter index -> its gathered weight's id
+    gathered: dict[int, int] = field(default_factory=dict)  # parameter position -> its gathered weight's id
     held: list[int] = field(default_factory=list)  # gradients larger than the bucket, to the next reduction
     backward: ZeroBackward | None = None  # the hooks' bookkeeping, shared with the hybrid's count
 
@@ -175,17 +173,19 @@ class _Engine:
 
     @property
     def part(self) -> int:
-        return per_rank(self.states.params, self.states.ranks)
+        """The rank's partition of the trained parameters: its fp32 master weights and gradients."""
+        return per_rank(sum(self.layout.trained_numels), self.states.ranks)
 
     def groups(self) -> list[int]:
-        return sub_groups([per_rank(n, self.states.ranks) for n in self.numels]) if self.stage3 else [self.part]
+        trained = self.layout.trained_numels
+        return sub_groups([per_rank(n, self.states.ranks) for n in trained]) if self.stage3 else [self.part]
 
     def initialize(self, build: list[tuple[str, int, int]]) -> None:
         """The build (hybrid.build_events: ZeRO-2's flat 16-bit weights included), then the model states
         made at initialize that stay on the GPU."""
-        built = self._replay_build(build)
-        if self.stage3:
-            self._initialize_3([built[i] for i in built if i >= len(self.numels)])
+        built, count = self._replay_build(build), len(self.layout.numels)
+        if self.stage3:  # the trained parameters' partitions (hybrid._partitioned's ids), if on the GPU
+            self._initialize_3([built[2 * count - 1 - i] for i in self.layout.trained if 2 * count - 1 - i in built])
         else:
             self._initialize_2()
 
@@ -194,7 +194,7 @@ class _Engine:
         optimizer's states are initialized; with the optimizer offloaded, only the buffer each gradient
         goes to the host through."""
         if self.states.to_host:
-            self.trace.malloc(2 * max(self.numels))
+            self.trace.malloc(2 * max(self.layout.trained_numels))
             return
         clone = self.trace.malloc(2 * self.part)
         self.trace.malloc(4 * self.part)  # fp32 master weights
@@ -217,9 +217,10 @@ class _Engine:
             self.trace.malloc(2 * self.part)
 
     def _defragment(self, partitions: list[int]) -> None:
-        """ZeRO-3's 16-bit partitions moved into one flat buffer (DeepSpeed's `defragment`): copied into a
-        host buffer, freed, the cache emptied, the buffer copied back to the GPU whole. On a CPU the host
-        buffer is the device's and emptying the cache does nothing. None with the parameters offloaded."""
+        """ZeRO-3's 16-bit partitions of the trained parameters moved into one flat buffer (DeepSpeed's
+        `defragment`): copied into a host buffer, freed, the cache emptied, the buffer copied back to the
+        GPU whole. On a CPU the host buffer is the device's and emptying the cache does nothing. None
+        with the parameters offloaded. A frozen parameter keeps its own partition."""
         if self.states.weights_on_host:
             return
         if self.states.cpu_check:
@@ -247,7 +248,10 @@ class _Engine:
         step has no trace of the modules' order yet: each weight is released after its module
         (`held` False), here as soon as it is gathered."""
         budget = self.states.gathered_bytes
-        for index, elements in enumerate(self.numels):
+        for index, elements in enumerate(self.layout.numels):
+            if index in self.layout.without_backward:  # released after its forward (`Layout`)
+                self.trace.transient(2 * elements, self.stream(ALLGATHER_STREAM))
+                continue
             if budget < 2 * elements:
                 break
             self.gathered[index] = self.trace.malloc(2 * elements, self.stream(ALLGATHER_STREAM))
@@ -257,9 +261,10 @@ class _Engine:
 
     def hook(self, gradient: GradientReady) -> None:
         """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
-        bucket, the gradient copied in (or held), its gathered weight released."""
+        bucket, the gradient copied in (or held), its gathered weight released (and the frozen ones
+        backward has passed: `Layout.released_at`)."""
         if self.backward is None:
-            self.backward = ZeroBackward(self.states, self.partitions_of)
+            self.backward = ZeroBackward(self.states, self.layout)
         if self.bucket is None:
             self.bucket = self.trace.malloc(self.states.bucket_bytes)
         made = self.trace.malloc(gradient.nbytes)
@@ -270,8 +275,9 @@ class _Engine:
             self.held.append(made)
         else:
             self.trace.free(made)
-        if gradient.index in self.gathered:
-            self.trace.free(self.gathered.pop(gradient.index))
+        for position in self.layout.released_at(gradient.index):
+            if position in self.gathered:
+                self.trace.free(self.gathered.pop(position))
 
     def backward_end(self) -> None:
         """The last reduction; ZeRO-2's bucket freed; weights still gathered released."""
@@ -313,7 +319,7 @@ class _Engine:
         if self.states.to_host:
             return  # the step runs on the host; the GPU's 16-bit weights are written in place
         for _ in range(2):  # two passes of fp64 copies for norms, one gradient at a time (seen in its trace)
-            for elements in self.numels:
+            for elements in self.layout.trained_numels:
                 self.trace.transient(8 * per_rank(elements, self.states.ranks))
         for group in self.groups():
             flat = self.trace.malloc(2 * group)

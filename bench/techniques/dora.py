@@ -22,6 +22,15 @@ def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     return model, {**found, "dora_magnitudes": magnitudes}
 
 
+def _validate(names: frozenset[str], opts: Options) -> str | None:
+    deferred = sorted(names.intersection(("fsdp", "zero3")))
+    if deferred:
+        # peft initialises each magnitude from its base weight's norm: values a build on meta does not have
+        return (f"DoRA's magnitudes are initialised from the base weights' norms, and {deferred[0]} builds the "
+                "model on meta (bench/deferred.py) where no weight has a value yet")
+    return None
+
+
 TECHNIQUE = Technique(
     name="dora",
     summary="LoRA with weight-decomposed adapters (magnitude + direction): LoRA's savings, more compute",
@@ -32,4 +41,5 @@ TECHNIQUE = Technique(
     packages=("peft",),
     conflicts=("lora", "qlora", "int8_lora"),
     apply=_apply,
+    validate=_validate,
 )
