@@ -447,12 +447,13 @@ def test_zero3_offload_keeps_its_states_on_the_host_in_pinned_blocks_and_sub_gro
     part = 1_150_000_000
     assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000]) == [1_150_000_000]
     assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000, 50]) == [1_150_000_000, 50]
-    device, step, training = hybrid.zero3_offload(numels, ranks=2, adam="torch", params_offloaded=True)
+    layout = hybrid.Layout.all_trained(numels, ranks=2)
+    device, step, training = hybrid.zero3_offload(layout, adam="torch", params_offloaded=True)
     pinned = 2 * _pinned(2 * part) + _pinned(4 * part)
     assert (device, training) == (0, pinned + 12 * part)
     assert step == training + 4 * part
-    assert hybrid.zero3_offload(numels, 2, "deepspeed", params_offloaded=True)[1] == training  # CPUAdam: in place
-    device, _, training = hybrid.zero3_offload(numels, 2, "torch", params_offloaded=False)
+    assert hybrid.zero3_offload(layout, "deepspeed", params_offloaded=True)[1] == training  # CPUAdam: in place
+    device, _, training = hybrid.zero3_offload(layout, "torch", params_offloaded=False)
     assert (device, training) == (2 * part, _pinned(2 * part) + _pinned(4 * part) + 12 * part)
 
 
@@ -559,7 +560,7 @@ def test_zero3s_step_by_sub_groups_meets_deepspeeds_own_engine_on_a_cpu(tmp_path
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("ranks", "stacks", "zero3_live"), [
     (1, ("zero2", "zero3", "zero2(bucket=5000000)", "offload + zero2", "zero3(bucket=5000000) + offload(params=true)",
-         "gc + lora + zero3"), None),
+         "gc + lora + zero3", "lora + zero3 + offload(params=true)"), None),
     (2, ("zero2", "zero2(bucket=20000000)", "gc + zero3 + offload(params=true)",
          "zero3 + offload(optimizer=false, params=true)", "lora + zero2"), None),
     (2, ("zero3", "zero3 + offload"), 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
@@ -758,6 +759,19 @@ def test_a_zero_cell_with_lora_keeps_fp32_states_of_its_adapters_only(stack: str
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
     assert (found["total_params"], found["trainable_params"]) == (params, adapters)
+
+
+def test_zero3_offload_of_a_lora_model_pins_each_frozen_partition_alone() -> None:
+    """ZeRO-3 with optimizer and parameters offloaded, a LoRA layout on two ranks (frozen 3000 and 5000
+    elements, adapters 100 and 100): the adapters' states on the host as any trained parameters' (their
+    16-bit partition one pinned block); each frozen partition pinned in a block of its own; the GPU holds
+    none of it. With the parameters on the GPU, it holds every partition, frozen ones too."""
+    layout = hybrid.Layout((3000, 100, 100, 5000), trained=(1, 2), ranks=2)
+    device, step, training = hybrid.zero3_offload(layout, "torch", params_offloaded=True)
+    part = 100  # the adapters' partitions, 50 + 50: one optimizer sub-group
+    pinned = _pinned(2 * part) + _pinned(2 * 1500) + _pinned(2 * 2500) + _pinned(2 * part) + _pinned(4 * part)
+    assert (device, training, step) == (0, pinned + 12 * part, pinned + 16 * part)
+    assert hybrid.zero3_offload(layout, "torch", params_offloaded=False)[0] == 2 * (part + 1500 + 2500)
 
 
 def test_zero3_releases_a_frozen_weight_once_backward_has_passed_its_module() -> None:

@@ -56,7 +56,12 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
   backward: `Layout.without_backward`); Qwen2.5-0.5B (tied embeddings, frozen) one rank `lora + zero2`
   2.593, `lora + zero3` 3.472, equal (reserved +0.3% and 0.0%). ZeRO-3 on two ranks at seq 256 peaks in
   forward: `lora + zero3` -3.5%, `gc + lora + zero3` -4.6% (the all-gather buffers, below, weigh more
-  beside LoRA's smaller states). DoRA under ZeRO-3 (or FSDP2) is refused: its magnitudes are
+  beside LoRA's smaller states). With offload (the host's tensors and the GPU's together, seq 1024,
+  batch 4): `lora + offload + zero2`, `lora + zero3 + offload`, `lora + zero3 + offload(params=true)`,
+  `lora + zero3 + offload(optimizer=false, params=true)` on one rank (1.718, 2.065, 2.065, 2.061 GiB),
+  `lora + offload + zero2`, `gc + lora + zero3 + offload(params=true)` and `lora + zero3 +
+  offload(optimizer=false, params=true)` on two, within 0.05%.
+  DoRA under ZeRO-3 (or FSDP2) is refused: its magnitudes are
   initialised from weights a deferred build does not have yet;
 - peak reserved (hybrid/6), DeepSpeed's own allocations in their order replayed through the allocator's
   model against the hybrid's trace replayed alike (bench/predict/hybrid_trace.py), one stream as on a
@@ -317,8 +322,6 @@ def unsupported_reason(cell: Cell) -> str | None:
     if quantized:
         return f"{', '.join(sorted(quantized))} under ZeRO: a quantized base under DeepSpeed is not modelled"
     adapters = set(ADAPTERS).intersection(cell.stack.names)
-    if adapters and "offload" in cell.stack.names:
-        return f"{', '.join(sorted(adapters))} under ZeRO with offload: not modelled yet (checked without offload only)"
     if adapters and cell.checkpoint != "none":
         return f"the save of {', '.join(sorted(adapters))} adapters under ZeRO is not modelled"
     try:
@@ -347,7 +350,7 @@ def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_chec
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    uses, total_params, ranks, numels = _uses(cell), layout.total, cell.gpus, list(layout.numels)
+    uses, total_params, ranks = _uses(cell), layout.total, cell.gpus
     offload = uses.get("offload", {})
     optimizer_offload, params_offload = bool(offload.get("optimizer")), bool(offload.get("params"))
     stage = 3 if "zero3" in uses else 2
@@ -372,16 +375,18 @@ def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_chec
     pin = (lambda nbytes: nbytes) if cpu_check else block_bytes  # a CPU does not pin
     if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
         if stage == 2:
-            device, host, host_training = zero2_offload(total_params, max(numels), ranks, engine["adam"], pin)
+            trained = layout.trained_numels
+            device, host, host_training = zero2_offload(total_params, sum(trained), max(trained), ranks, engine["adam"], pin)
         else:
-            device, host, host_training = zero3_offload(numels, ranks, engine["adam"], params_offload, pin)
+            device, host, host_training = zero3_offload(layout, engine["adam"], params_offload, pin)
         return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
                        after_step_bytes=device, to_host=True, host_training_bytes=ranks * host_training)
     if params_offload:  # ZeRO-3 with its parameters alone on the host: their 16-bit partition, pinned
         weights = 2 * per_rank(total_params, ranks)
         training, step, after = (nbytes - weights for nbytes in phased(cell, layout))
-        return replace(base, host_bytes=ranks * pin(weights), training_bytes=training, step_bytes=step,
-                       after_step_bytes=after, host_training_bytes=ranks * pin(weights))
+        host = pin(2 * per_rank(sum(layout.trained_numels), ranks)) + _frozen_on_host(layout, pin)
+        return replace(base, host_bytes=ranks * host, training_bytes=training, step_bytes=step,
+                       after_step_bytes=after, host_training_bytes=ranks * host)
     training, step, after = phased(cell, layout)
     partition = 0 if stage == 3 else 2 * per_rank(sum(layout.trained_numels), ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
@@ -395,23 +400,24 @@ def max_live_parameters() -> int:
     return int(DeepSpeedZeroConfig().max_live_parameters)
 
 
-def zero2_offload(params: int, largest_param: int, ranks: int, adam: str,
+def zero2_offload(params: int, trained: int, largest_trained: int, ranks: int, adam: str,
                   pin: Callable[[int], int] = block_bytes) -> tuple[int, int, int]:
     """(GPU, host in the step, host through forward and backward) bytes per rank of ZeRO-2's model
     states with the optimizer on the host, as DeepSpeed 0.19.8 makes them (stage_1_and_2.py; checked on
-    a CPU, `tools/hybrid_check.py`). The GPU keeps the whole 16-bit weights (2 B/param) and a 16-bit
-    buffer the size of the largest parameter, through which each gradient goes to the host. Each rank's
-    host keeps, for its partition of P/N parameters, pinned (the suite's `pin_memory: true`; `pin`, each
+    a CPU, `tools/hybrid_check.py`). The GPU keeps the whole 16-bit weights (2 B/param, frozen ones too)
+    and a 16-bit buffer the size of the largest trained parameter, through which each gradient goes to
+    the host. Each rank's host keeps, for its partition of the `trained` parameters, pinned (the suite's
+    `pin_memory: true`; `pin`, each
     a block of the next power of two, bench/predict/pinned.py): fp32 master weights and their fp32
     gradients (4 B each), a 16-bit copy of the weights (2) and a 16-bit buffer of the largest gradient;
     and pageable, AdamW's two moments (8) and, in torch's AdamW step (`adam=torch`), one fp32 temporary
     (4; DeepSpeed's CPUAdam steps in place)."""
-    part = per_rank(params, ranks)
-    training = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_param) + 8 * part
-    return 2 * params + 2 * largest_param, training + (4 * part if adam == "torch" else 0), training
+    part = per_rank(trained, ranks)
+    training = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_trained) + 8 * part
+    return 2 * params + 2 * largest_trained, training + (4 * part if adam == "torch" else 0), training
 
 
-def zero3_offload(numels: list[int], ranks: int, adam: str, params_offloaded: bool,
+def zero3_offload(layout: Layout, adam: str, params_offloaded: bool,
                   pin: Callable[[int], int] = block_bytes) -> tuple[int, int, int]:
     """(GPU, host in the step, host through forward and backward) bytes per rank of ZeRO-3's model
     states with the optimizer on the host, as DeepSpeed 0.19.8 makes them (stage3.py; checked on a CPU,
@@ -421,12 +427,24 @@ def zero3_offload(numels: list[int], ranks: int, adam: str, params_offloaded: bo
     16-bit partition if offloaded (one block), the 16-bit gradient partition (one block), and the fp32
     gradients, one block per optimizer sub-group (`sub_groups`); pageable, the fp32 master weights (4)
     and AdamW's moments (8). DeepSpeed steps one sub-group at a time: torch AdamW's fp32 temporary
-    (`adam=torch`) is the largest sub-group's (4 B each)."""
-    parts = [per_rank(n, ranks) for n in numels]
+    (`adam=torch`) is the largest sub-group's (4 B each). All of it for the trained parameters
+    (`Layout`): a frozen one is its 16-bit partition alone, on the GPU, or offloaded, on the host
+    pinned in a block of its own (`_frozen_on_host`)."""
+    ranks = layout.ranks
+    parts = [per_rank(n, ranks) for n in layout.trained_numels]
     part, groups = sum(parts), sub_groups(parts)
-    device = 0 if params_offloaded else 2 * part
-    training = (pin(2 * part) if params_offloaded else 0) + pin(2 * part) + sum(pin(4 * g) for g in groups) + 12 * part
+    frozen = sum(per_rank(n, ranks) for i, n in enumerate(layout.numels) if i not in layout.trained)
+    device = 0 if params_offloaded else 2 * (part + frozen)
+    weights = pin(2 * part) + _frozen_on_host(layout, pin) if params_offloaded else 0
+    training = weights + pin(2 * part) + sum(pin(4 * g) for g in groups) + 12 * part
     return device, training + (4 * max(groups) if adam == "torch" else 0), training
+
+
+def _frozen_on_host(layout: Layout, pin: Callable[[int], int]) -> int:
+    """ZeRO-3's frozen parameters offloaded: each one's 16-bit partition pinned alone (DeepSpeed moves the
+    trained ones' into one flat buffer, and leaves these where partitioning put them)."""
+    trained = set(layout.trained)
+    return sum(pin(2 * per_rank(n, layout.ranks)) for i, n in enumerate(layout.numels) if i not in trained)
 
 
 def sub_group_size() -> int:
