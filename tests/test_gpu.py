@@ -492,7 +492,7 @@ def test_a_deferred_zero3_build_on_cuda_holds_one_parameter_and_draws_a_plain_bu
 
 def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> None:
     """DeepSpeed ZeRO-2 and ZeRO-3, with and without their optimizer (and ZeRO-3's parameters) offloaded,
-    on one GPU, measured and predicted for it (bench/predict/hybrid.py): peak allocated within 2% (on a
+    and LoRA under each (the engine holding the adapters' states alone), on one GPU, measured and predicted for it (bench/predict/hybrid.py): peak allocated within 2% (on a
     CPU the hybrid equals DeepSpeed's engine; here the GPU's own copies between host and device, its
     kernels' scratch and NCCL count too), and with offload the host RAM (the tensors DeepSpeed pins in
     power-of-two blocks, its pageable ones, one worker process) within 10%; peak reserved within 5% (the
@@ -504,7 +504,7 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
     matrices:
       z: {device: cuda, models: [llama-3.2-1b], seq_lens: [1024], batch_sizes: [1], steps: {warmup: 1, measure: 2},
           stacks: [zero2, zero3, zero2 + offload, zero3 + offload, zero3 + offload(params=true),
-                   gc + zero3 + offload(params=true)]}
+                   gc + zero3 + offload(params=true), gc + lora + zero2, lora + zero3]}
     """)
     measured, predicted = _run_and_predict(workdir, "z")
     for cell_id, row in measured.items():
