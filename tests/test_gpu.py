@@ -491,14 +491,14 @@ def test_a_deferred_zero3_build_on_cuda_holds_one_parameter_and_draws_a_plain_bu
 
 
 def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> None:
-    """DeepSpeed ZeRO-2 and ZeRO-3, with and without their optimizer (and ZeRO-3's parameters) offloaded,
-    and LoRA under each (the engine holding the adapters' states alone), on one GPU, measured and predicted for it (bench/predict/hybrid.py): peak allocated within 2% (on a
-    CPU the hybrid equals DeepSpeed's engine; here the GPU's own copies between host and device, its
-    kernels' scratch and NCCL count too), and with offload the host RAM (the tensors DeepSpeed pins in
-    power-of-two blocks, its pageable ones, one worker process) within 10%; peak reserved within 5% (the
-    hybrid's own trace replayed, bench/predict/hybrid_trace.py: equal to DeepSpeed's trace replayed on a
-    CPU, but a GPU adds ZeRO-3's side streams and the frees they defer). The figures of every cell are
-    printed, for the issue's error table, whether or not they pass."""
+    """DeepSpeed ZeRO-2 and ZeRO-3, with and without their optimizer (and ZeRO-3's parameters) offloaded, and
+    LoRA under each (the engine holding the adapters' states alone), on one GPU, measured and predicted for it
+    (bench/predict/hybrid.py): peak allocated within 2% (on a CPU the hybrid equals DeepSpeed's engine; here
+    the GPU's own copies between host and device, its kernels' scratch and NCCL count too), and with offload
+    the host RAM (the tensors DeepSpeed pins in power-of-two blocks, its pageable ones, one worker process)
+    within 10%; peak reserved within 5% (the hybrid's own trace replayed, bench/predict/hybrid_trace.py: equal
+    to DeepSpeed's trace replayed on a CPU, but a GPU adds ZeRO-3's side streams and the frees they defer).
+    The figures of every cell are printed, for the issue's error table, whether or not they pass."""
     pytest.importorskip("deepspeed")
     write_matrix(workdir, """
     matrices:

@@ -167,7 +167,7 @@ class MemoryCounter(TorchDispatchMode):
         self._pending: tuple[int, int] | None = None  # (sum, its first operand): see _is_gradient_sum
         self.sums: list[tuple[int, bool]] = []  # the engine's gradient sums: (bytes, done in place by a plain run)
         self.gradients_ready: list[GradientReady] = []  # in order, once `watch_gradients` is called
-        self._gradient_hooks: list[Any] = []  # and the module hooks of `watch_backward_use`
+        self._hooks: list[Any] = []  # `watch_gradients` and `watch_backward_use`, removed at `finish`
         self.needs_backward: dict[int, bool] = {}  # a parameter's position -> whether backward runs a module of it
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
@@ -442,7 +442,7 @@ class MemoryCounter(TorchDispatchMode):
             nbytes = -(-param.grad.untyped_storage().nbytes() // BLOCK_BYTES) * BLOCK_BYTES
             self.gradients_ready.append(GradientReady(self.events, nbytes, param.grad.numel(), index))
         trainable = [p for p in params if p.requires_grad]
-        self._gradient_hooks += [p.register_post_accumulate_grad_hook(functools.partial(ready, i))
+        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(ready, i))
                                  for i, p in enumerate(trainable)]
 
     def watch_backward_use(self, model: Any) -> None:
@@ -457,7 +457,7 @@ class MemoryCounter(TorchDispatchMode):
             for param in module.parameters(recurse=False):
                 if id(param) in position:
                     self.needs_backward[position[id(param)]] = needed or self.needs_backward.get(position[id(param)], False)
-        self._gradient_hooks += [m.register_forward_hook(after_forward) for m in model.modules()
+        self._hooks += [m.register_forward_hook(after_forward) for m in model.modules()
                                  if next(m.parameters(recurse=False), None) is not None]
 
     def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
@@ -475,9 +475,9 @@ class MemoryCounter(TorchDispatchMode):
         # Let go of the model and optimizer: the finalizers (held globally) reach this counter, so a
         # counter that kept them would keep every cell's tensors alive for the process's life.
         self.on_optimizer = self.after_step = tuple
-        for hook in self._gradient_hooks:
+        for hook in self._hooks:
             hook.remove()
-        self._gradient_hooks = []
+        self._hooks = []
 
     def mark(self, tensors: Iterable[Any], role: str) -> None:
         """The role of the records holding these tensors, where none is known yet."""

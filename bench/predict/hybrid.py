@@ -269,18 +269,23 @@ def tied_output_bytes(model: Any) -> int:
 
 def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
     """ZeRO-3's build on one rank's GPU: each parameter whole, its partition (unless offloaded), the whole
-    freed; then each gathered whole for its init and freed; then the cache emptied. The i-th parameter
-    from the last has its partition's id P + i."""
+    freed; then each gathered whole for its init and freed; then the cache emptied. A partition's id:
+    `partition_id`."""
     events: list[tuple[str, int, int]] = []
-    made = len(params)  # ids past the parameters' for the partitions
     for i, param in enumerate(reversed(params)):  # converted children first, as the engine walks the modules
         events.append(("malloc", i, _block(2 * param.numel())))  # in bf16, fp32 adapters too (bench/engines/deepspeed.py)
         if not offloaded:
-            events.append(("malloc", made + i, _block(2 * per_rank(param.numel(), ranks))))
+            events.append(("malloc", partition_id(len(params) - 1 - i, len(params)), _block(2 * per_rank(param.numel(), ranks))))
         events.append(("free", i, 0))
     for i, param in enumerate(params):
         events += [("malloc", i, _block(2 * param.numel())), ("free", i, 0)]
     return [*events, ("release", 0, 0)]
+
+
+def partition_id(position: int, count: int) -> int:
+    """The id, in `_partitioned`'s events, of the partition of the parameter at `position` of `count`
+    (past the ids of the whole parameters, in the order they are made: the last parameter's first)."""
+    return 2 * count - 1 - position
 
 
 def per_rank(elements: int, ranks: int) -> int:

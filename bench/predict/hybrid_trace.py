@@ -43,7 +43,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from .counter import GradientReady, MemoryCounter
-from .hybrid import MODEL_STATE_ROLES, Layout, ModelStates, Reduction, ZeroBackward, per_rank, sub_groups
+from .hybrid import MODEL_STATE_ROLES, Layout, ModelStates, Reduction, ZeroBackward, partition_id, per_rank, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
 Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream), as allocator.replay takes them
@@ -184,8 +184,9 @@ class _Engine:
         """The build (hybrid.build_events: ZeRO-2's flat 16-bit weights included), then the model states
         made at initialize that stay on the GPU."""
         built, count = self._replay_build(build), len(self.layout.numels)
-        if self.stage3:  # the trained parameters' partitions (hybrid._partitioned's ids), if on the GPU
-            self._initialize_3([built[2 * count - 1 - i] for i in self.layout.trained if 2 * count - 1 - i in built])
+        if self.stage3:  # the trained parameters' partitions, where on the GPU
+            ids = [partition_id(position, count) for position in self.layout.trained]
+            self._initialize_3([built[i] for i in ids if i in built])
         else:
             self._initialize_2()
 
