@@ -60,9 +60,8 @@ peak allocated (offload stacks: the GPU's and host's tensors together), hybrid/5
   batch 4): `lora + offload + zero2`, `lora + zero3 + offload`, `lora + zero3 + offload(params=true)`,
   `lora + zero3 + offload(optimizer=false, params=true)` on one rank (1.718, 2.065, 2.065, 2.061 GiB),
   `lora + offload + zero2`, `gc + lora + zero3 + offload(params=true)` and `lora + zero3 +
-  offload(optimizer=false, params=true)` on two, within 0.05%.
-  DoRA under ZeRO-3 (or FSDP2) is refused: its magnitudes are
-  initialised from weights a deferred build does not have yet;
+  offload(optimizer=false, params=true)` on two, within 0.05%. DoRA under ZeRO-3 (or FSDP2) is refused:
+  its magnitudes are initialised from weights a deferred build does not have yet;
 - peak reserved (hybrid/6), DeepSpeed's own allocations in their order replayed through the allocator's
   model against the hybrid's trace replayed alike (bench/predict/hybrid_trace.py), one stream as on a
   CPU: the 62M Llama at seq 1024, batch 4, `zero2`, `zero3`, `gc + zero2`, `gc + zero3`,
