@@ -158,6 +158,8 @@ def _counted_on_gloo(rank: int, world: int, port: int, stack: str, queue) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     distributed.mesh("cpu")  # made before the counter, as the fake run makes it (a GPU run keeps it on the host)
+    import peft  # noqa: F401  # imported before the counter as in the fake run's process: its import makes
+    # tensors (peft's default arguments, bitsandbytes' quantization tables) a GPU run keeps on the host
     cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack)), gpus=world)
     counter, _, state = fake.counted_run(cell, Workspaces(), fake=False)
     queue.put((rank, dict(counter.phase_peaks), counter.breakdown(counter.peak), state, counter.host_peak_bytes))
@@ -168,7 +170,7 @@ def _counted_on_gloo(rank: int, world: int, port: int, stack: str, queue) -> Non
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stack", ["fsdp", "gc + fsdp(precision=mixed, reshard=false)", "ddp", "gc + ddp",
                                    "fsdp(precision=mixed) + offload(params=true)",
-                                   "ddp(bucket_view=true)"])
+                                   "ddp(bucket_view=true)", "gc + lora + fsdp", "gc + lora + ddp"])
 def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> None:
     """FSDP2 and DDP on 2 ranks, predicted in this process on torch's fake backend, against 2 real gloo
     processes running the same steps on real tensors under the same counter: equal, phase for phase,
