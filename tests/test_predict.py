@@ -531,14 +531,14 @@ def test_zero3s_step_takes_one_optimizer_sub_group_at_a_time() -> None:
     """ZeRO-3 steps a rank's partitions one sub-group at a time (sub-groups close once they reach 1e9
     elements): the fp32 gradients and AdamW's temporary (8 B each) are the largest sub-group's, not the
     whole partition's, beside the 16 B/param every state holds. ZeRO-2 steps its whole partition."""
-    numels = hybrid.Layout.all_trained([600_000_000, 600_000_000, 300_000_000])  # one rank: sub-groups of 1.2e9 and 3e8
+    layout = hybrid.Layout.all_trained([600_000_000, 600_000_000, 300_000_000])  # one rank: sub-groups of 1.2e9 and 3e8
     zero3 = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3"))
-    assert hybrid.phased(zero3, numels) == (16 * 1_500_000_000, 16 * 1_500_000_000 + 8 * 1_200_000_000,
+    assert hybrid.phased(zero3, layout) == (16 * 1_500_000_000, 16 * 1_500_000_000 + 8 * 1_200_000_000,
                                             16 * 1_500_000_000)
     two = dataclasses.replace(zero3, gpus=2)  # partitions of 3e8, 3e8, 1.5e8: one sub-group of 7.5e8
-    assert hybrid.phased(two, numels)[1] == 16 * 750_000_000 + 8 * 750_000_000
+    assert hybrid.phased(two, layout)[1] == 16 * 750_000_000 + 8 * 750_000_000
     zero2 = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero2"))
-    assert hybrid.phased(zero2, numels)[1] == 2 * 1_500_000_000 + 12 * 1_500_000_000 + 8 * 1_500_000_000
+    assert hybrid.phased(zero2, layout)[1] == 2 * 1_500_000_000 + 12 * 1_500_000_000 + 8 * 1_500_000_000
 
 
 @pytest.mark.slow
