@@ -164,6 +164,11 @@ class Layout:
         return [self.numels[i] for i in self.trained]
 
     @property
+    def frozen_numels(self) -> list[int]:
+        trained = set(self.trained)
+        return [n for i, n in enumerate(self.numels) if i not in trained]
+
+    @property
     def held_for_backward(self) -> int:
         """The elements of the weights ZeRO-3 keeps gathered from forward into backward, at most."""
         return self.total - sum(self.numels[i] for i in self.without_backward)
@@ -437,7 +442,7 @@ def zero3_offload(layout: Layout, adam: str, params_offloaded: bool,
     ranks = layout.ranks
     parts = [per_rank(n, ranks) for n in layout.trained_numels]
     part, groups = sum(parts), sub_groups(parts)
-    frozen = sum(per_rank(n, ranks) for i, n in enumerate(layout.numels) if i not in layout.trained)
+    frozen = sum(per_rank(n, ranks) for n in layout.frozen_numels)
     device = 0 if params_offloaded else 2 * (part + frozen)
     weights = pin(2 * part) + _frozen_on_host(layout, pin) if params_offloaded else 0
     training = weights + pin(2 * part) + sum(pin(4 * g) for g in groups) + 12 * part
@@ -447,8 +452,7 @@ def zero3_offload(layout: Layout, adam: str, params_offloaded: bool,
 def _frozen_on_host(layout: Layout, pin: Callable[[int], int]) -> int:
     """ZeRO-3's frozen parameters offloaded: each one's 16-bit partition pinned alone (DeepSpeed moves the
     trained ones' into one flat buffer, and leaves these where partitioning put them)."""
-    trained = set(layout.trained)
-    return sum(pin(2 * per_rank(n, layout.ranks)) for i, n in enumerate(layout.numels) if i not in trained)
+    return sum(pin(2 * per_rank(n, layout.ranks)) for n in layout.frozen_numels)
 
 
 def sub_group_size() -> int:
