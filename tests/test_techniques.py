@@ -11,7 +11,7 @@ import pytest
 
 from bench.envinfo import OPTIONAL_PACKAGES
 from bench.techniques import REGISTRY
-from conftest import raw_rows, run_bench, write_matrix
+from conftest import REPO, raw_rows, run_bench, write_matrix
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -25,6 +25,23 @@ def test_technique_declares_what_it_saves_and_costs(name: str) -> None:
     # the planner looks for a technique's packages among the optional ones only: one missing there
     # would make every cell of the technique "not installed", wherever it runs
     assert set(t.packages) <= set(OPTIONAL_PACKAGES), f"{name}: add its packages to envinfo.OPTIONAL_PACKAGES"
+
+
+@pytest.mark.parametrize("stack", ["lora(targets=q_proj|v_proj)", "dora(targets=q_proj|v_proj)"])
+def test_lora_targets_are_module_names(stack: str) -> None:
+    """`q_proj|v_proj` adapts each layer's q_proj and v_proj, and only those (peft would read the bare
+    string as a regular expression over whole module paths, and match nothing)."""
+    pytest.importorskip("peft")
+    from bench import spec, trainer
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    model = trainer.build_model(cell, device="meta").model
+    adapted = sorted({name.split(".")[-2] for name, _ in model.named_modules() if name.endswith("lora_A")})
+    layers = model.config.num_hidden_layers
+    assert adapted == ["q_proj", "v_proj"]
+    assert sum(name.endswith("lora_A") for name, _ in model.named_modules()) == 2 * layers
 
 
 CATALOGUE = """

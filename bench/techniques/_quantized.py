@@ -61,6 +61,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         conflicts=("lora", "mixed", "zero3"),
         load=load,
         apply=apply,
+        validate=lambda names, opts: lora.targets_problem(opts),
     )
 
 

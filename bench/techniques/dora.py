@@ -23,6 +23,9 @@ def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
 
 
 def _validate(names: frozenset[str], opts: Options) -> str | None:
+    unreadable = lora.targets_problem(opts)
+    if unreadable:
+        return unreadable
     deferred = sorted(names.intersection(("fsdp", "zero3")))
     if deferred:
         # peft initialises each magnitude from its base weight's norm: values a build on meta does not have

@@ -6,18 +6,46 @@ Costs: adapter matmuls in forward and backward, and the activations they save; t
 still runs its full forward and the input-gradient part of backward.
 
 Visible choices (peft's defaults, stated rather than hidden): adapters in fp32
-(`adapter_dtype`), `dropout` (> 0 adds saved activations), targets `all-linear`.
+(`adapter_dtype`), `dropout` (> 0 adds saved activations), targets `all-linear`. `targets` is
+`all-linear` or module names joined by `|` (`q_proj|v_proj`): a name adapts every module whose name is
+it or ends in `.name`, as peft matches a list (peft would read a bare string as a regular expression
+matched against the whole module path, so `q_proj` alone would match nothing).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .base import Evidence, Options, Phase, Technique
 
 
+ALL_LINEAR = "all-linear"
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
     return adapt(model, opts)
+
+
+def target_modules(targets: str) -> str | list[str]:
+    """peft's `target_modules` for the `targets` option: its `all-linear`, or the list of names."""
+    return targets if targets == ALL_LINEAR else targets.split("|")
+
+
+def targets_problem(opts: Options) -> str | None:
+    """Why the `targets` option cannot be read, or None (checked when the stack is parsed)."""
+    if opts["targets"] == ALL_LINEAR:
+        return None
+    bad = [name for name in opts["targets"].split("|") if not _MODULE_NAME.match(name)]
+    if bad:
+        return (f"targets={opts['targets']!r}: {bad[0]!r} is not a module name; write {ALL_LINEAR} or names "
+                "joined by | (q_proj|v_proj)")
+    return None
+
+
+def _validate(names: frozenset[str], opts: Options) -> str | None:
+    return targets_problem(opts)
 
 
 def adapt(model: Any, opts: Options, use_dora: bool = False) -> tuple[Any, Evidence]:
@@ -28,7 +56,7 @@ def adapt(model: Any, opts: Options, use_dora: bool = False) -> tuple[Any, Evide
         r=opts["r"],
         lora_alpha=opts["alpha"],
         lora_dropout=opts["dropout"],
-        target_modules=opts["targets"],
+        target_modules=target_modules(opts["targets"]),
         task_type="CAUSAL_LM",
         use_dora=use_dora,
     )
@@ -49,4 +77,5 @@ TECHNIQUE = Technique(
     ranges={"r": "[1, inf)", "alpha": "(0, inf)", "dropout": "[0, 1)"},
     packages=("peft",),
     apply=_apply,
+    validate=_validate,
 )
