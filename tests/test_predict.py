@@ -493,7 +493,8 @@ def _mid_llama(directory: Path) -> Path:
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("stack", ["zero2", "zero3", "gc + zero3", "zero2(bucket=5000000)", "offload + zero2",
                                    "zero3 + offload", "gc + offload(params=true) + zero3",
-                                   "offload(optimizer=false, params=true) + zero3", "lora + zero2", "gc + lora + zero3"])
+                                   "offload(optimizer=false, params=true) + zero3", "lora + zero2", "gc + lora + zero3",
+                                   "qlora + zero2"])
 def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> None:
     """The hybrid's trace (bench/predict/hybrid_trace.py: the build, the fake run's own allocations and
     the engine's, in order) holds at its most what the hybrid counts moment by moment, on one GPU and on
@@ -560,29 +561,32 @@ def test_zero3s_step_by_sub_groups_meets_deepspeeds_own_engine_on_a_cpu(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("ranks", "stacks", "zero3_live"), [
+@pytest.mark.parametrize(("ranks", "stacks", "zero3_live", "seq_batch"), [
     (1, ("zero2", "zero3", "zero2(bucket=5000000)", "offload + zero2", "zero3(bucket=5000000) + offload(params=true)",
-         "gc + lora + zero3", "lora + zero3 + offload(params=true)"), None),
+         "gc + lora + zero3", "lora + zero3 + offload(params=true)"), None, (1024, 4)),
     (2, ("zero2", "zero2(bucket=20000000)", "gc + zero3 + offload(params=true)",
-         "zero3 + offload(optimizer=false, params=true)", "lora + zero2"), None),
-    (2, ("zero3", "zero3 + offload"), 5_000_000),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
+         "zero3 + offload(optimizer=false, params=true)", "lora + zero2"), None, (1024, 4)),
+    (2, ("zero3", "zero3 + offload"), 5_000_000, (1024, 4)),  # 1/12 of its parameters (DeepSpeed's 1e9 is 1/8 of Llama-3.1-8B's)
+    (1, ("qlora + zero2",), None, (256, 2)),  # bitsandbytes' CPU matmuls are slow; here too its peak is in backward
 ])
 def test_the_hybrid_meets_deepspeeds_own_engine_on_a_cpu(tmp_path: Path, ranks: int, stacks: tuple[str, ...],
-                                                          zero3_live: int | None) -> None:
-    """tools/hybrid_check.py on a 62M-parameter Llama (seq 1024, batch 4, where every peak is in backward),
-    one and two gloo ranks: DeepSpeed's real engine under the same counter against the hybrid, peak
-    allocated less the bucket both hold, within 1% (0.0% under torch 2.13, transformers 5.24; ZeRO-3 with
-    its live-parameter and reuse limits scaled down, -0.4%). The small buckets reduce in mid-backward;
-    5M elements is less than the embedding's 8.4M gradient, which waits for the next reduction; on two
-    ranks the reductions flatten the gradients of both partitions. LoRA under ZeRO: the engine holds the
-    adapters' states alone, the frozen base its 16-bit weights. The offload stacks are compared at their
-    peak, their GPU's and host's tensors together (on a CPU both are the CPU's). Peak reserved, without
-    offload: the hybrid's trace replayed through the allocator's model against DeepSpeed's own allocations
+                                                          zero3_live: int | None, seq_batch: tuple[int, int]) -> None:
+    """tools/hybrid_check.py on a 62M-parameter Llama (seq 1024, batch 4, where every peak is in backward;
+    QLoRA at seq 256, batch 2, its peak in backward too), one and two gloo ranks: DeepSpeed's real engine
+    under the same counter against the hybrid, peak allocated less the bucket both hold, within 1% (0.0%
+    under torch 2.13, transformers 5.24; ZeRO-3 with its live-parameter and reuse limits scaled down,
+    -0.4%). The small buckets reduce in mid-backward; 5M elements is less than the embedding's 8.4M
+    gradient, which waits for the next reduction; on two ranks the reductions flatten the gradients of
+    both partitions. LoRA under ZeRO: the engine holds the adapters' states alone, the frozen base its
+    16-bit weights (QLoRA's: 4-bit, as loaded). The offload stacks are compared at their peak, their
+    GPU's and host's tensors together (on a CPU both are the CPU's). Peak reserved, without offload: the
+    hybrid's trace replayed through the allocator's model against DeepSpeed's own allocations
     replayed alike, within 1% (equal, but ZeRO-3 with its limits scaled down -0.4%)."""
     pytest.importorskip("deepspeed")
     model = _mid_llama(tmp_path)
     done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"), str(model),
-                           "--seq", "1024", "--batch", "4", "--ranks", str(ranks), "--stacks", ",".join(stacks), "--json",
+                           "--seq", str(seq_batch[0]), "--batch", str(seq_batch[1]), "--ranks", str(ranks),
+                           "--stacks", ",".join(stacks), "--json",
                            *(["--zero3-live", str(zero3_live)] if zero3_live else [])],
                           capture_output=True, text=True, cwd=REPO, timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -737,10 +741,45 @@ def test_fsdp_cpu_offload_keeps_shards_gradients_and_optimizer_state_on_the_host
                              gpus.get("h100"))["status"] == "unsupported"
 
 
-def test_a_zero_cell_with_a_quantized_base_is_not_predicted() -> None:
-    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("gc + qlora + zero2"))
+def test_a_zero_cell_with_an_int8_base_is_not_predicted() -> None:
+    """As without ZeRO: which columns LLM.int8 decomposes depends on the values."""
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("gc + int8_lora + zero2"))
     found = fake.predict_cell(cell, gpus.get("h100"))
-    assert found["status"] == "unsupported" and "quantized base" in found["unsupported_reason"]
+    assert found["status"] == "unsupported" and "outlier" in found["unsupported_reason"]
+
+
+def _nf4_bytes(rows: int, cols: int) -> int:
+    """A loaded NF4 weight with nested statistics (transformers' and bitsandbytes' defaults), by hand:
+    the packed weight (0.5 B an element), an 8-bit absmax per 64 elements, a fp32 absmax per 256 of
+    those, the 8-bit absmax's code (256 fp32), its offset (one fp32) and the NF4 code (16 fp32), each an
+    allocation of its own rounded up to 512 B."""
+    def block(nbytes: int) -> int:
+        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+    elements = rows * cols
+    blocks = -(-elements // 64)
+    return (block(elements // 2) + block(blocks) + block(4 * -(-blocks // 256)) + block(4 * 256) + block(4)
+            + block(4 * 16))
+
+
+@pytest.mark.parametrize("stack", ["qlora + zero2", "gc + qlora + zero2 + offload"])
+def test_a_zero2_cell_with_qlora_keeps_its_4bit_base_whole_as_loaded(stack: str) -> None:
+    """QLoRA under ZeRO-2: DeepSpeed is given the adapters alone (their states as LoRA's); the frozen base
+    stays as the load left it on every GPU: each linear layer's 4-bit weight with its statistics, the
+    embeddings, norms and lm_head 16-bit. Its parameters counted as a loaded model counts them (the
+    packed elements), as the cell without its engine is."""
+    pytest.importorskip("bitsandbytes")
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
+    meta = trainer.build_model(cell, device="meta").model
+    layout = hybrid.Layout.of(meta, 1)
+    shapes = [tuple(p.shape) for i, p in enumerate(meta.parameters()) if i in {q[0] for q in layout.quantized}]
+    assert len(shapes) == 7 * 2  # tiny-llama: 2 layers of 7 linear layers; lm_head kept 16-bit
+    unquantized = layout.total - sum(r * c for r, c in shapes)
+    assert layout.weight_bytes == 2 * unquantized + sum(_nf4_bytes(r, c) for r, c in shapes)
+    found = fake.predict_cell(cell, gpus.get("h100"))
+    alone = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("qlora")), gpus.get("h100"))
+    assert found["status"] == "ok", found.get("error")
+    assert (found["total_params"], found["trainable_params"]) == (alone["total_params"], alone["trainable_params"])
 
 
 @pytest.mark.parametrize(("stack", "ranks"), [("lora + zero2", 1), ("lora + zero2", 2), ("lora + zero3", 2)])

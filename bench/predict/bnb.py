@@ -26,11 +26,12 @@ the scratch of its CUDA matmul.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from .counter import NO_SCRATCH, Scratch
+from .counter import NO_SCRATCH, Scratch, rounded
 
 DEQUANT_FALLBACK_ROWS = 512  # above this many rows, CUDA's gemm_4bit dequantizes the weight (sm90)
 
@@ -133,6 +134,30 @@ def quantized_weight(meta_weight: Any, module: Any, dtype: Any) -> Any:
     weight.quant_state, weight.bnb_quantized = state, True
     module.quant_state = state  # as Params4bit._quantize leaves it
     return weight
+
+
+@functools.cache
+def _loaded_sizes(shape: tuple[int, ...], blocksize: int, compress_statistics: bool, quant_type: str,
+                  quant_storage: Any) -> tuple[int, int]:
+    import types
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = types.SimpleNamespace(shape=shape, blocksize=blocksize, compress_statistics=compress_statistics,
+                                 quant_type=quant_type, quant_storage=quant_storage)
+    with real_quantization_maps(), FakeTensorMode():
+        weight = quantized_weight(meta, types.SimpleNamespace(), torch.bfloat16)
+        pieces = [weight, *quantized_state_tensors(weight)]
+        return weight.numel(), sum(rounded(t.untyped_storage().nbytes()) for t in pieces)
+
+
+def loaded_sizes(meta_weight: Any) -> tuple[int, int]:
+    """(elements, bytes) of a meta 4-bit weight (`is_4bit`) once a load has quantized it: its packed
+    weight's elements (what `numel` says of a loaded model's parameter), and the bytes of the packed
+    weight and its quantization state, each an allocation of its own (512 B blocks)."""
+    w = meta_weight
+    return _loaded_sizes(tuple(w.shape), w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage)
 
 
 def quantized_state_tensors(weight: Any) -> list[Any]:

@@ -40,6 +40,11 @@ from ..measure import storage_tensors
 from .pinned import PinnedHostCache
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
+
+
+def rounded(nbytes: int) -> int:
+    """A request's bytes as the caching allocator gives them: rounded up to a block."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 # Memory counted apart from the device allocator's: pinned host memory (bench/predict/pinned.py), pageable
 # host memory (an optimizer stepping on the CPU), CUDA managed memory (a paged optimizer's state)
 POOLS = ("pinned", "pageable", "managed")
@@ -252,7 +257,7 @@ class MemoryCounter(TorchDispatchMode):
 
     def _scratch(self, nbytes: int, op: str) -> int:
         """An allocation a GPU kernel makes and frees inside its op, which its fake kernel does not."""
-        self.records.append(Record(-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES, -1, self.where, f"{op} (scratch)",
+        self.records.append(Record(rounded(nbytes), -1, self.where, f"{op} (scratch)",
                                    stream=self._stream()))
         self._count(len(self.records) - 1)
         return len(self.records) - 1
@@ -322,8 +327,7 @@ class MemoryCounter(TorchDispatchMode):
             self.pinned.release(nbytes)
 
     def _new_record(self, storage: Any, op: str) -> int:
-        rounded = -(-storage.nbytes() // BLOCK_BYTES) * BLOCK_BYTES
-        self.records.append(Record(rounded, -1, self.where, op, stream=self._stream()))
+        self.records.append(Record(rounded(storage.nbytes()), -1, self.where, op, stream=self._stream()))
         index = len(self.records) - 1
         self._record_of[storage] = index
         weakref.finalize(storage, self._free, index)
@@ -439,7 +443,7 @@ class MemoryCounter(TorchDispatchMode):
         def ready(index: int, param: Any) -> None:
             if param.grad is None:  # taken by a hook before this one (optimizer_in_backward steps and frees it)
                 return
-            nbytes = -(-param.grad.untyped_storage().nbytes() // BLOCK_BYTES) * BLOCK_BYTES
+            nbytes = rounded(param.grad.untyped_storage().nbytes())
             self.gradients_ready.append(GradientReady(self.events, nbytes, param.grad.numel(), index))
         trainable = [p for p in params if p.requires_grad]
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(ready, i))

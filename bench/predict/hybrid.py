@@ -6,10 +6,12 @@ so a ZeRO cell's memory is assembled from two sources:
 - **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU, phase by
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
   optimizer step, which adds the fp32 gradient partition and AdamW's temporary beside every state.
-  With the optimizer offloaded, the tensors DeepSpeed makes on the GPU and on the host (`zero2_offload`,
-  `zero3_offload`; on a CPU, whose host is the device, checked with both together at their peak); with
-  ZeRO-3's parameters alone offloaded, its 16-bit partition moves to the host. Host RAM adds one worker
-  process per rank. DeepSpeed's estimator's GPU figure (`estimate_zero3_model_states_mem_needs`) stays
+  Only the trained parameters have the fp32 and gradient states (`Layout`): a LoRA's frozen base is its
+  16-bit weights, a QLoRA's its 4-bit weights and statistics as the load left them. With the optimizer
+  offloaded, the tensors DeepSpeed makes on the GPU and on the host (`zero2_offload`, `zero3_offload`;
+  on a CPU, whose host is the device, checked with both together at their peak); with ZeRO-3's
+  parameters alone offloaded, its 16-bit partition moves to the host. Host RAM adds one worker process
+  per rank. DeepSpeed's estimator's GPU figure (`estimate_zero3_model_states_mem_needs`) stays
   in `model_states_gib`;
 - **activations, temporaries, the batch and workspaces**: the fake run of the same cell with the
   engine techniques taken out (zero2/zero3/offload), moment by moment through forward and backward:
@@ -109,8 +111,8 @@ from typing import Any
 from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack, Use
-from . import allocator, save
-from .counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak
+from . import allocator, bnb, save
+from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
@@ -141,15 +143,20 @@ class Layout:
     trained: tuple[int, ...]  # the trained parameters' positions in `numels`, in order
     ranks: int = 1
     without_backward: frozenset[int] = frozenset()  # frozen parameters' positions whose modules backward never runs
+    # QLoRA's frozen 4-bit weights as a load leaves them: (position, packed elements, bytes of the packed
+    # weight and its quantization state; bench/predict/bnb.py), where any other weight holds 2 B an element
+    quantized: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def of(cls, model: Any, ranks: int, needs_backward: dict[int, bool] | None = None) -> Layout:
         """`needs_backward`: from the fake run of the cell (`MemoryCounter.needs_backward`); without it,
-        every parameter is taken to be gathered for backward."""
+        every parameter is taken to be gathered for backward. `model` built on meta (a 4-bit weight not
+        quantized yet: its loaded sizes are a fake quantization's)."""
         params = list(model.parameters())
         trained = tuple(i for i, p in enumerate(params) if p.requires_grad)
         unused = frozenset(i for i, needed in (needs_backward or {}).items() if not needed and i not in trained)
-        return cls(tuple(p.numel() for p in params), trained, ranks, unused)
+        quantized = tuple((i, *bnb.loaded_sizes(p)) for i, p in enumerate(params) if bnb.is_4bit(p))
+        return cls(tuple(p.numel() for p in params), trained, ranks, unused, quantized)
 
     @classmethod
     def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
@@ -167,6 +174,17 @@ class Layout:
     def frozen_numels(self) -> list[int]:
         trained = set(self.trained)
         return [n for i, n in enumerate(self.numels) if i not in trained]
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' bytes whole, as ZeRO-2 keeps them on every GPU: 16-bit, or a 4-bit weight's loaded bytes."""
+        loaded = sum(nbytes for _, _, nbytes in self.quantized)
+        return 2 * (self.total - sum(self.numels[i] for i, _, _ in self.quantized)) + loaded
+
+    @property
+    def loaded_total(self) -> int:
+        """The parameters' elements as a loaded model counts them (a 4-bit weight: its packed elements)."""
+        return self.total - sum(self.numels[i] - elements for i, elements, _ in self.quantized)
 
     @property
     def held_for_backward(self) -> int:
@@ -236,30 +254,34 @@ def build_events(model: Any, cell: Cell, cpu_check: bool = False) -> list[tuple[
     parameters whole (ids 0 to P-1) and its flat buffer (`_whole_then_flat`); ZeRO-3's as `_partitioned`
     makes them (each partition's id P + i for the i-th parameter in reverse order). `cpu_check`: as on a
     CPU, where emptying the cache does nothing."""
-    buffers = [("malloc", -i - 1, _block(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
+    buffers = [("malloc", -i - 1, rounded(b.numel() * b.element_size())) for i, b in enumerate(model.buffers())]
     params = list(model.parameters())
     if "zero3" not in cell.stack.names:
-        return buffers + _whole_then_flat(model, params, cpu_check)
+        loaded = any(use.technique.load is not None for use in cell.stack.uses)  # no tied transient: see fake.py
+        return buffers + _whole_then_flat(model, params, cpu_check, loaded)
     return buffers + _partitioned(params, cell.gpus, _uses(cell).get("offload", {}).get("params", False))
 
 
-def _whole_then_flat(model: Any, params: list[Any], cpu_check: bool) -> list[tuple[str, int, int]]:
-    """ZeRO-2's build on each GPU: each parameter whole, and a tied output embedding made whole, then tied
-    away (freed: transformers makes the layer, then ties its weight to the input embedding's); then
-    deepspeed.initialize casts every parameter to bf16 (a LoRA's fp32 adapters: each copied, the
-    original freed), empties the cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has
-    room, flattens the trained 16-bit weights into one buffer beside them, and those become its views."""
-    events = [("malloc", i, _block(p.numel() * p.element_size())) for i, p in enumerate(params)]
-    tied = tied_output_bytes(model)
+def _whole_then_flat(model: Any, params: list[Any], cpu_check: bool, loaded: bool = False) -> list[tuple[str, int, int]]:
+    """ZeRO-2's build on each GPU: each parameter whole (a 4-bit weight as a load quantizes it: its packed
+    bytes and statistics as one block here), and, built from the config (not `loaded` from a checkpoint),
+    a tied output embedding made whole, then tied away (freed: transformers makes the layer, then ties its
+    weight to the input embedding's); then deepspeed.initialize casts every parameter to bf16 (a LoRA's
+    fp32 adapters: each copied, the original freed; a 4-bit weight is not a float: kept), empties the
+    cache (stage_1_and_2.py; nothing on a CPU) and, since the GPU has room, flattens the trained 16-bit
+    weights into one buffer beside them, and those become its views."""
+    events = [("malloc", i, bnb.loaded_sizes(p)[1] if bnb.is_4bit(p) else rounded(p.numel() * p.element_size()))
+              for i, p in enumerate(params)]
+    tied = 0 if loaded else tied_output_bytes(model)
     events += [("malloc", len(params), tied), ("free", len(params), 0)] if tied else []
     current = list(range(len(params)))  # each parameter's id, a cast's copy past the others'
     for i, param in enumerate(params):
-        if param.element_size() != 2:
+        if param.element_size() != 2 and not bnb.is_4bit(param):
             current[i] = len(params) + 2 + i
-            events += [("malloc", current[i], _block(2 * param.numel())), ("free", i, 0)]
+            events += [("malloc", current[i], rounded(2 * param.numel())), ("free", i, 0)]
     events += [] if cpu_check else [("release", 0, 0)]
     trained = [i for i, p in enumerate(params) if p.requires_grad]
-    events.append(("malloc", len(params) + 1, _block(sum(2 * params[i].numel() for i in trained))))
+    events.append(("malloc", len(params) + 1, rounded(sum(2 * params[i].numel() for i in trained))))
     return events + [("free", current[i], 0) for i in trained]
 
 
@@ -268,7 +290,7 @@ def tied_output_bytes(model: Any) -> int:
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     if output is None or inputs is None or output.weight is not inputs.weight:
         return 0
-    return _block(output.weight.numel() * output.weight.element_size())
+    return rounded(output.weight.numel() * output.weight.element_size())
 
 
 def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[str, int, int]]:
@@ -277,12 +299,12 @@ def _partitioned(params: list[Any], ranks: int, offloaded: bool) -> list[tuple[s
     `partition_id`."""
     events: list[tuple[str, int, int]] = []
     for i, param in enumerate(reversed(params)):  # converted children first, as the engine walks the modules
-        events.append(("malloc", i, _block(2 * param.numel())))  # in bf16, fp32 adapters too (bench/engines/deepspeed.py)
+        events.append(("malloc", i, rounded(2 * param.numel())))  # in bf16, fp32 adapters too (bench/engines/deepspeed.py)
         if not offloaded:
-            events.append(("malloc", partition_id(len(params) - 1 - i, len(params)), _block(2 * per_rank(param.numel(), ranks))))
+            events.append(("malloc", partition_id(len(params) - 1 - i, len(params)), rounded(2 * per_rank(param.numel(), ranks))))
         events.append(("free", i, 0))
     for i, param in enumerate(params):
-        events += [("malloc", i, _block(2 * param.numel())), ("free", i, 0)]
+        events += [("malloc", i, rounded(2 * param.numel())), ("free", i, 0)]
     return [*events, ("release", 0, 0)]
 
 
@@ -295,10 +317,6 @@ def partition_id(position: int, count: int) -> int:
 def per_rank(elements: int, ranks: int) -> int:
     """A rank's share of `elements` split N ways, rounded up (the last rank's is padded)."""
     return -(-elements // ranks)
-
-
-def _block(nbytes: int) -> int:
-    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
 def _peak_live(events: list[tuple[str, int, int]]) -> int:
@@ -323,13 +341,10 @@ def is_hybrid(cell: Cell) -> bool:
     return any(name in ("zero2", "zero3") for name in cell.stack.names)
 
 
-ADAPTERS = ("lora", "dora")  # a frozen 16-bit base under the engine: `Layout` says which parameters train
+ADAPTERS = ("lora", "dora", "qlora")  # a frozen base under the engine (qlora's 4-bit): `Layout` says which train
 
 
 def unsupported_reason(cell: Cell) -> str | None:
-    quantized = {"qlora", "int8_lora"}.intersection(cell.stack.names)
-    if quantized:
-        return f"{', '.join(sorted(quantized))} under ZeRO: a quantized base under DeepSpeed is not modelled"
     adapters = set(ADAPTERS).intersection(cell.stack.names)
     if adapters and cell.checkpoint != "none":
         return f"the save of {', '.join(sorted(adapters))} adapters under ZeRO is not modelled"
@@ -385,7 +400,8 @@ def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_chec
     if optimizer_offload:  # the tensors DeepSpeed makes on the GPU and the host, checked on a CPU
         if stage == 2:
             trained = layout.trained_numels
-            device, host, host_training = zero2_offload(total_params, sum(trained), max(trained), ranks, engine["adam"], pin)
+            device, host, host_training = zero2_offload(layout.weight_bytes, sum(trained), max(trained), ranks,
+                                                        engine["adam"], pin)
         else:
             device, host, host_training = zero3_offload(layout, engine["adam"], params_offload, pin)
         return replace(base, host_bytes=ranks * host, training_bytes=device, step_bytes=device,
@@ -409,21 +425,21 @@ def max_live_parameters() -> int:
     return int(DeepSpeedZeroConfig().max_live_parameters)
 
 
-def zero2_offload(params: int, trained: int, largest_trained: int, ranks: int, adam: str,
+def zero2_offload(weight_bytes: int, trained: int, largest_trained: int, ranks: int, adam: str,
                   pin: Callable[[int], int] = block_bytes) -> tuple[int, int, int]:
     """(GPU, host in the step, host through forward and backward) bytes per rank of ZeRO-2's model
     states with the optimizer on the host, as DeepSpeed 0.19.8 makes them (stage_1_and_2.py; checked on
-    a CPU, `tools/hybrid_check.py`). The GPU keeps the whole 16-bit weights (2 B/param, frozen ones too)
-    and a 16-bit buffer the size of the largest trained parameter, through which each gradient goes to
-    the host. Each rank's host keeps, for its partition of the `trained` parameters, pinned (the suite's
-    `pin_memory: true`; `pin`, each
+    a CPU, `tools/hybrid_check.py`). The GPU keeps the weights whole (`weight_bytes`: 16-bit, frozen
+    ones too, or a frozen 4-bit base as loaded: `Layout.weight_bytes`) and a 16-bit buffer the size of
+    the largest trained parameter, through which each gradient goes to the host. Each rank's host keeps,
+    for its partition of the `trained` parameters, pinned (the suite's `pin_memory: true`; `pin`, each
     a block of the next power of two, bench/predict/pinned.py): fp32 master weights and their fp32
     gradients (4 B each), a 16-bit copy of the weights (2) and a 16-bit buffer of the largest gradient;
     and pageable, AdamW's two moments (8) and, in torch's AdamW step (`adam=torch`), one fp32 temporary
     (4; DeepSpeed's CPUAdam steps in place)."""
     part = per_rank(trained, ranks)
     training = pin(4 * part) + pin(4 * part) + pin(2 * part) + pin(2 * largest_trained) + 8 * part
-    return 2 * params + 2 * largest_trained, training + (4 * part if adam == "torch" else 0), training
+    return weight_bytes + 2 * largest_trained, training + (4 * part if adam == "torch" else 0), training
 
 
 def zero3_offload(layout: Layout, adam: str, params_offloaded: bool,
@@ -478,9 +494,10 @@ def phased(cell: Cell, layout: Layout) -> tuple[int, int, int]:
     """(training, step, after step) bytes per GPU of a ZeRO stage without offload, bf16 with fp32 master
     weights and AdamW, as DeepSpeed's engine allocates them (checked on a CPU: the module's text). Per rank
     of N, a partition of P/N parameters holds fp32 master weights and both moments (12 B each); the step
-    adds fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole (2 B/param)
-    and, from a backward's first reduction to the step, the 16-bit gradient partition (2 B each:
-    `ModelStates.partition_bytes`, not in training's figure); its step takes the whole partition at once.
+    adds fp32 gradients and AdamW's temporary (8 B each). ZeRO-2 keeps the 16-bit weights whole (2 B/param;
+    a 4-bit base as loaded, `Layout.weight_bytes`) and, from a backward's first reduction to the step,
+    the 16-bit gradient partition (2 B each: `ModelStates.partition_bytes`, not in training's figure);
+    its step takes the whole partition at once.
     ZeRO-3 keeps both 16-bit partitions throughout (4 B each; and, on several ranks, the weights it
     gathers: `ModelStates.gathered_bytes`); its step takes one optimizer sub-group at a time
     (`sub_groups`), so the fp32 gradients and the temporary are the largest sub-group's. Only the
@@ -491,7 +508,7 @@ def phased(cell: Cell, layout: Layout) -> tuple[int, int, int]:
     if "zero3" in cell.stack.names:
         after = 2 * per_rank(params, ranks) + 14 * partition
         return after, after + 8 * max(sub_groups([per_rank(n, ranks) for n in trained]), default=0), after
-    after = 2 * params + 12 * partition
+    after = layout.weight_bytes + 12 * partition
     return after, after + 8 * partition, after
 
 
@@ -740,7 +757,7 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     training = training_peak(counter, states, layout)
     replayed = replayed_columns(cell, counter, states, layout, build_events(meta, cell, cpu_check), gpu)
     out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
-    return {**out, **_save(cell, counter, states, list(layout.numels), out), "total_params": layout.total,
+    return {**out, **_save(cell, counter, states, list(layout.numels), out), "total_params": layout.loaded_total,
             "trainable_params": sum(layout.trained_numels), "allocations": len(counter.records)}
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from .base import Evidence, Options, Phase, Technique
 
-
 ALL_LINEAR = "all-linear"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
