@@ -644,11 +644,10 @@ SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:fu
     ([6, 5, 4, 3], 2, [10]),  # partitions 3 + 3 + 2 + 2 fit in one group
     ([7, 7], 3, [6]),  # ceil(7 / 3) = 3 each
 ])
-def test_zero3_sub_groups_are_formed_as_deepspeed_forms_them(params: list[int], ranks: int,
-                                                            expected: list[int]) -> None:
-    from bench.predict import save
-
-    assert save._sub_groups(params, ranks, 10) == expected
+def test_zero3_sub_groups_are_formed_as_deepspeed_forms_them(params: list[int], ranks: int, expected: list[int],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hybrid, "sub_group_size", lambda: 10)
+    assert hybrid.sub_groups([hybrid.per_rank(n, ranks) for n in params]) == expected
 
 
 @pytest.mark.slow

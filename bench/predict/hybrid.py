@@ -782,4 +782,5 @@ def _save(cell: Cell, counter: MemoryCounter, states: ModelStates, params: list[
     bucket = states.bucket_bytes if states.bucket_in_step else 0
     after_step_gib = (states.after_step_bytes + bucket + kept_between_steps(counter)) / measure.GIB
     host_gib = out.get("host_peak_gib", cell.gpus * WORKER_PROCESS_GIB)
-    return save.columns(save.zero_host_copy_bytes(cell, params), after_step_gib, out["peak_reserved_gib"], host_gib)
+    groups = sub_groups([per_rank(n, cell.gpus) for n in params])
+    return save.columns(save.zero_host_copy_bytes(cell, params, groups), after_step_gib, out["peak_reserved_gib"], host_gib)

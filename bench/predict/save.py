@@ -46,7 +46,6 @@ from .. import measure
 from ..cells import Cell
 from .counter import MemoryCounter
 
-ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size` (the suite sets none)
 DCP_COPY_AHEAD_BYTES = 10_000_000  # torch.distributed.checkpoint's FileSystemWriter: per_thread_copy_ahead
 BF16_BYTES, FP32_BYTES = 2, 4
 
@@ -91,9 +90,10 @@ def _state(model: Any) -> list[Any]:
     return list({id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
 
 
-def zero_host_copy_bytes(cell: Cell, params: list[int]) -> int:
+def zero_host_copy_bytes(cell: Cell, params: list[int], sub_groups: list[int]) -> int:
     """A ZeRO cell's save, from its parameters' sizes in order (`params`, tied ones once; every one
-    trains under ZeRO here): bf16 weights, fp32 master partition and Adam's moments per rank."""
+    trains under ZeRO here): bf16 weights, fp32 master partition and Adam's moments per rank. ZeRO-3's
+    optimizer `sub_groups`, elements per rank (bench/predict/hybrid.py: `sub_groups`)."""
     bf16_weights = BF16_BYTES * sum(params)
     optimizer_on_host = any(u.name == "offload" and u.opts["optimizer"] for u in cell.stack.uses)
     if cell.checkpoint == "model":
@@ -101,26 +101,11 @@ def zero_host_copy_bytes(cell: Cell, params: list[int]) -> int:
     if optimizer_on_host:
         fp32_partition = 0  # written in place from host memory
     elif "zero3" in cell.stack.names:
-        fp32_partition = FP32_BYTES * max(_sub_groups(params, cell.gpus, ZERO3_SUB_GROUP_SIZE))
+        fp32_partition = FP32_BYTES * max(sub_groups)
     else:
         fp32_partition = FP32_BYTES * -(-sum(params) // cell.gpus)
     model_file = bf16_weights if "zero2" in cell.stack.names else 0  # ZeRO-3's module file: placeholders
     return max(model_file, fp32_partition)
-
-
-def _sub_groups(params: list[int], ranks: int, sub_group_size: int) -> list[int]:
-    """Elements per rank of each ZeRO-3 sub-group: parameters taken in order, a group closed once it
-    holds `sub_group_size` or more (DeepSpeed's _create_fp16_sub_groups); one group if all fit."""
-    partitions = [-(-n // ranks) for n in params]
-    if sum(partitions) <= sub_group_size:
-        return [sum(partitions)]
-    groups, size = [], 0
-    for elements in partitions:
-        size += elements
-        if size >= sub_group_size:
-            groups.append(size)
-            size = 0
-    return [*groups, size] if size else groups
 
 
 def columns(host_copy_bytes: int, gpu_allocated_gib: float, reserved_gib: float | None,
