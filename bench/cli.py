@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     ask_p.add_argument("--batch", type=int, help="batch size per GPU (default 1; not with --largest batch)")
     ask_p.add_argument("--stack", default="baseline", help="technique stack, as in matrix.yaml, e.g. 'gc + lora(r=16)' "
                                                            "(default baseline)")
-    ask_p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) for an FSDP2 or DDP stack (default 1)")
+    ask_p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) for an FSDP2, DDP or ZeRO stack (default 1)")
     ask_p.add_argument("--checkpoint", default="none", help="none | model | full: a save after the last step")
     ask_p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(gpus.GPUS)} (default h100)")
     ask_p.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
