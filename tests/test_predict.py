@@ -761,12 +761,13 @@ def _nf4_bytes(rows: int, cols: int) -> int:
             + block(4 * 16))
 
 
-@pytest.mark.parametrize("stack", ["qlora + zero2", "gc + qlora + zero2 + offload"])
+@pytest.mark.parametrize("stack", ["qlora + zero2", "gc + qlora(prepare_kbit=true) + zero2 + offload"])
 def test_a_zero2_cell_with_qlora_keeps_its_4bit_base_whole_as_loaded(stack: str) -> None:
     """QLoRA under ZeRO-2: DeepSpeed is given the adapters alone (their states as LoRA's); the frozen base
     stays as the load left it on every GPU: each linear layer's 4-bit weight with its statistics, the
-    embeddings, norms and lm_head 16-bit. Its parameters counted as a loaded model counts them (the
-    packed elements), as the cell without its engine is."""
+    embeddings, norms and lm_head 16-bit (deepspeed.initialize casts `prepare_kbit`'s fp32 upcast back,
+    and the adapters to bf16: so does the cell the fake run trains). Its parameters counted as a loaded
+    model counts them (the packed elements), as the cell without its engine is."""
     pytest.importorskip("bitsandbytes")
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
     meta = trainer.build_model(cell, device="meta").model
@@ -775,6 +776,8 @@ def test_a_zero2_cell_with_qlora_keeps_its_4bit_base_whole_as_loaded(stack: str)
     assert len(shapes) == 7 * 2  # tiny-llama: 2 layers of 7 linear layers; lm_head kept 16-bit
     unquantized = layout.total - sum(r * c for r, c in shapes)
     assert layout.weight_bytes == 2 * unquantized + sum(_nf4_bytes(r, c) for r, c in shapes)
+    trained = [u.opts for u in hybrid.activation_cell(cell).stack.uses if u.name == "qlora"]
+    assert [(o["adapter_dtype"], o["prepare_kbit"]) for o in trained] == [("bf16", False)]
     found = fake.predict_cell(cell, gpus.get("h100"))
     alone = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("qlora")), gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")

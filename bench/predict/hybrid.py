@@ -357,14 +357,16 @@ def unsupported_reason(cell: Cell) -> str | None:
 
 def activation_cell(cell: Cell) -> Cell:
     """The cell with its engine taken out: the plain engine runs the same bf16 forward and backward.
-    deepspeed.initialize casts every parameter to bf16, so LoRA's adapters train in bf16 under it (peft
-    makes them fp32): the activation cell's adapters are bf16 too."""
+    deepspeed.initialize casts every floating-point parameter to bf16, so LoRA's adapters train in bf16
+    under it (peft makes them fp32), and QLoRA's `prepare_kbit` upcast of norms, embeddings and lm_head
+    to fp32 is undone: the activation cell has bf16 adapters and no upcast."""
     kept = tuple(_in_bf16(u) if u.name in ADAPTERS else u for u in cell.stack.uses if u.name not in ENGINE_TECHNIQUES)
     return replace(cell, stack=Stack(kept), gpus=1)
 
 
 def _in_bf16(use: Use) -> Use:
-    return replace(use, options=tuple((k, "bf16" if k == "adapter_dtype" else v) for k, v in use.options))
+    cast = {"adapter_dtype": "bf16", "prepare_kbit": False}
+    return replace(use, options=tuple((k, cast.get(k, v)) for k, v in use.options))
 
 
 def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_check: bool = False) -> ModelStates:
