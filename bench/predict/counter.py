@@ -40,11 +40,6 @@ from ..measure import storage_tensors
 from .pinned import PinnedHostCache
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
-
-
-def rounded(nbytes: int) -> int:
-    """A request's bytes as the caching allocator gives them: rounded up to a block."""
-    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 # Memory counted apart from the device allocator's: pinned host memory (bench/predict/pinned.py), pageable
 # host memory (an optimizer stepping on the CPU), CUDA managed memory (a paged optimizer's state)
 POOLS = ("pinned", "pageable", "managed")
@@ -52,6 +47,11 @@ ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "worksp
 # Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
                         "_addmm_activation", "gemm_4bit"})  # bitsandbytes' 4-bit matmul: F.linear on training shapes
+
+
+def rounded(nbytes: int) -> int:
+    """A request's bytes as the caching allocator gives them: rounded up to a block."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
 @dataclass
