@@ -89,6 +89,7 @@ for i in range(3000):  # a random walk of allocations and frees: small, medium a
         key = rng.choice(sorted(live))
         tensor, stream = live.pop(key)
         events.append(("free", key, tensor.untyped_storage().nbytes(), stream))
+        del tensor  # freed here: the name alone would keep it until the next free (the event's place)
     else:
         nbytes = rng.choice(sizes)
         stream = rng.randrange(len(streams)) if len(streams) > 1 else 0
