@@ -4,6 +4,7 @@ backlog's steps in order until its budget, tars what it has, and the next window
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -24,6 +25,7 @@ def _window(workdir: Path, budget_s: int, **env: str) -> tuple[str, set[str]]:
     done = subprocess.run([str(REPO / "tools" / "gpu-window.sh"), str(budget_s), "steps"], cwd=workdir,
                           env={**os.environ, "OUT": str(out), **env}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert re.search(r"gpu-window\.tgz \(\d", done.stdout), done.stdout + done.stderr  # its size, as du gives it
     with tarfile.open(out / "gpu-window.tgz") as tar:
         return done.stdout, set(tar.getnames())
 

@@ -33,7 +33,7 @@ rows_now() {  # files under results/raw, the window's own marks and logs left ou
   find results/raw -type f -not -path "$marks/*" | wc -l
 }
 
-cut() {  # NAME RAN_S ROWS_BEFORE: a step the window's end stopped; given up on its second stall
+cut_short() {  # NAME RAN_S ROWS_BEFORE: a step the window's end stopped; given up on its second stall
   local stalls=0
   if [ "$2" -ge "$stall_s" ] && [ "$(rows_now)" -eq "$3" ]; then
     stalls=$(( $(cat "$marks/$1.stalls" 2>/dev/null || echo 0) + 1 )); echo "$stalls" > "$marks/$1.stalls"
@@ -61,7 +61,7 @@ while IFS= read -r line; do
   timeout --signal=TERM --kill-after=20 "$left" bash -c "$command" >> "$marks/$name.log" 2>&1
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    cut "$name" $(( $(date +%s) - step_started )) "$rows"; break
+    cut_short "$name" $(( $(date +%s) - step_started )) "$rows"; break
   fi
   echo "$rc" > "$marks/$name.done"
   echo "$name: ended, exit $rc"
