@@ -1213,34 +1213,47 @@ def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> Non
     assert counter.phase_peaks["s/forward"] == before + scratch + rows * 1024 * 2
 
 
-@pytest.mark.parametrize(("kv_heads", "dtype", "masked"), [(2, "bfloat16", False), (4, "bfloat16", False),
-                                                        (2, "bfloat16", True), (2, "float32", False)])
-def test_flash_attention_backward_counts_the_scratch_of_its_cuda_kernel(kv_heads: int, dtype: str, masked: bool) -> None:
-    """sdpa's backward on fake tensors allocates dQ, dK, dV only. CUDA's flash kernel then allocates
-    softmax_d (fp32, seq rounded up to 128), the fp32 dQ accumulator (head_dim 40 rounded up to 64) and,
-    with grouped-query attention, dK and dV for every query head, and frees them as it returns. Sizes
-    worked out by hand; none where the GPU would not run flash (a mask, fp32)."""
+@pytest.mark.parametrize(("kv_heads", "dtype", "masked", "projected"), [
+    (2, "bfloat16", False, False), (4, "bfloat16", False, False), (2, "bfloat16", True, False),
+    (2, "float32", False, False), (2, "bfloat16", False, True)])
+def test_flash_attention_backward_counts_the_scratch_of_its_cuda_kernel(kv_heads: int, dtype: str, masked: bool,
+                                                                         projected: bool) -> None:
+    """sdpa's backward on fake tensors allocates dQ, dK, dV only. CUDA's flash kernel first copies grad_out
+    and out to (batch, seq, heads, head_dim) where they are not laid out so (out is laid out as q: so in
+    a model, whose q and grad_out are transposed projections, neither), then allocates softmax_d (fp32,
+    seq rounded up to 128), the fp32 dQ accumulator (head_dim 40 rounded up to 64) and, with grouped-query
+    attention, dK and dV for every query head, and frees them all as it returns. Sizes worked out by
+    hand; none where the GPU would not run flash (a mask, fp32)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bench.predict import attention
 
     batch, heads, seq, head_dim = 2, 4, 100, 40
+
+    def tensor(count: int) -> torch.Tensor:  # (batch, count, seq, head_dim); a projection's transpose if projected
+        if projected:
+            return torch.empty(batch, seq, count, head_dim, dtype=getattr(torch, dtype)).transpose(1, 2)
+        return torch.empty(batch, count, seq, head_dim, dtype=getattr(torch, dtype))
+
     with FakeTensorMode(), MemoryCounter(kernel_scratch=attention.flash_backward_scratch) as counter:
-        query = torch.empty(batch, heads, seq, head_dim, dtype=getattr(torch, dtype), requires_grad=True)
-        key, value = (torch.empty(batch, kv_heads, seq, head_dim, dtype=query.dtype, requires_grad=True) for _ in "kv")
+        query = tensor(heads).requires_grad_()
+        key, value = (tensor(kv_heads).requires_grad_() for _ in "kv")
         mask = torch.ones(seq, seq, dtype=torch.bool).tril() if masked else None
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=not masked,
                                                                enable_gqa=True)
-        out.sum().backward()
+        torch.autograd.grad(out, (query, key, value), tensor(heads))
     scratch = [r for r in counter.records if r.op.endswith("(scratch)")]
     if masked or dtype == "float32":
         assert scratch == []
         return
-    expanded = [batch * seq * heads * head_dim * 2] * 2 if kv_heads != heads else []  # 64,000 B each: a multiple of 512
-    assert [r.nbytes for r in scratch] == [batch * heads * 128 * 4, batch * 128 * heads * 64 * 4, *expanded]
+    copies = [] if projected else [batch * heads * seq * head_dim * 2] * 2  # 64,000 B each: a multiple of 512
+    expanded = [batch * seq * heads * head_dim * 2] * 2 if kv_heads != heads else []
+    assert [r.nbytes for r in scratch] == [*copies, batch * heads * 128 * 4, batch * 128 * heads * 64 * 4, *expanded]
     outputs = [r for r in counter.records if r.op == attention.FLASH_BACKWARD_OP]
-    assert len(outputs) == 3 and max(r.made for r in outputs) < min(r.made for r in scratch)  # after dQ, dK, dV
+    before, after = scratch[:len(copies)], scratch[len(copies):]
+    assert len(outputs) == 3 and all(r.made < min(o.made for o in outputs) for r in before)  # before dQ, dK, dV
+    assert all(r.made > max(o.made for o in outputs) for r in after)  # and after them
     assert all(r.freed is not None and r.freed < min(o.freed or counter.events for o in outputs) for r in scratch)
 
 

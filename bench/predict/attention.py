@@ -4,7 +4,14 @@ The fake run's sdpa dispatches to flash attention for the CPU, which saves what 
 saves (the output and the log-sum-exp) and whose backward allocates dQ, dK and dV and nothing else.
 CUDA's backward (FlashAttention-2 in PyTorch: `mha_bwd` in
 aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, the same in torch 2.9 to 2.13)
-allocates dQ, dK, dV, then:
+first makes its inputs contiguous as the kernel takes them, (batch, seq, heads, head_dim):
+
+- a copy of grad_out unless its transpose already is contiguous;
+- a copy of out unless q's transpose is (the forward allocates out like q's transpose, `empty_like`):
+  none in a model's attention, whose q is a transposed projection; one for a plain (batch, heads, seq,
+  head_dim) tensor such as the GPU test's (seen on an H200, torch 2.11: two q-sized buffers before dQ);
+
+then allocates dQ, dK, dV, then:
 
 - `softmax_d`: fp32, (batch, heads, seq rounded up to 128); returned to `_flash_attention_backward`,
   which drops it;
@@ -12,6 +19,8 @@ allocates dQ, dK, dV, then:
   128): the dQ accumulator;
 - with grouped-query attention (fewer K/V heads than query heads): dK and dV for every query head
   (batch, seq, heads, head_dim, in q's dtype), then summed over each group into dK and dV.
+
+The copies are freed with the rest as the op returns.
 
 All are freed as the op returns: no new allocated peak on the published cells, but they take cached
 blocks, so what the caching allocator reserves can change. On the 61 published H100 cells
@@ -45,12 +54,13 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def flash_backward_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
-    """What CUDA's flash attention backward allocates after dQ, dK, dV and frees as it returns (see the
-    module's text); nothing for another op or a call the GPU's flash kernel would not take."""
+    """What CUDA's flash attention backward allocates before dQ, dK, dV (its contiguous copies) and after
+    them, and frees as it returns (see the module's text); nothing for another op or a call the GPU's
+    flash kernel would not take."""
     if op != FLASH_BACKWARD_OP:
         return NO_SCRATCH
     # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask, scale)
-    query, key = args[1], args[2]
+    grad_out, query, key, out = args[0], args[1], args[2], args[4]
     mask = args[8] if len(args) > 8 else kwargs.get("attn_mask")
     batch, heads, seq_q, head_dim = query.shape
     kv_heads, seq_k = key.shape[1], key.shape[2]
@@ -61,4 +71,6 @@ def flash_backward_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
     softmax_d = batch * heads * seq_q_rounded * 4
     dq_accum = batch * seq_q_rounded * heads * head_dim_rounded * 4
     expanded = (batch * seq_k * heads * head_dim * query.element_size(),) * 2 if kv_heads != heads else ()
-    return Scratch(after=(softmax_d, dq_accum, *expanded))
+    copies = tuple(out.numel() * out.element_size() for layout in (grad_out, query)
+                   if not layout.transpose(1, 2).is_contiguous())
+    return Scratch(before=copies, after=(softmax_d, dq_accum, *expanded))
