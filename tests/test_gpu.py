@@ -327,6 +327,8 @@ def _svd_peak(device: str) -> int:
     return counter.phase_peaks["s/optimizer"] - before
 
 
+@pytest.mark.xfail(strict=True, reason="cuSOLVER's gesvdj workspace is not modelled: 242.3 MiB for this 3072 x 8192 "
+                   "fp32 matrix on an H200, torch 2.11, CUDA 13 (2026-11-26); bench/predict/lowrank.py")
 def test_the_fake_run_allocates_what_the_svd_allocates_on_cuda() -> None:
     """bench/predict/lowrank.py's scratch of CUDA's SVD (info, the column-major copy of the input) plus
     U, S, Vh, against what the kernel allocates; cuSOLVER's gesvdj workspace is not modelled, so what
