@@ -2,9 +2,11 @@
 allocations and frees the GPU tests use (tests/test_gpu.py, ALLOCATOR_TRACE), under
 torch.cuda.memory._record_memory_history, every block and segment as the allocator made them.
 
-    python tools/allocator_trace.py OUT.json.gz --streams 3 [--fraction 0.05]
+    python tools/allocator_trace.py OUT.json.gz --streams 3 [--capacity-gib 7]
 
-PYTORCH_CUDA_ALLOC_CONF is read from the environment, as torch reads it. The file holds the allocator's
+PYTORCH_CUDA_ALLOC_CONF is read from the environment, as torch reads it. `--capacity-gib` sets the memory
+fraction that leaves torch that much of this GPU (as `bench fit` emulates a smaller card; only under a
+fraction does garbage_collection_threshold act). The file holds the allocator's
 settings, the GPU, the versions, and its device trace: [action, address, bytes, stream] for every
 alloc, free_completed, segment_alloc and segment_free, in order. tests/test_allocator.py replays such
 traces through bench/predict/allocator.py on any CPU, segment by segment.
@@ -30,16 +32,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--streams", type=int, default=1)
-    parser.add_argument("--fraction", type=float, help="torch.cuda.set_per_process_memory_fraction first")
+    parser.add_argument("--capacity-gib", type=float, help="a memory fraction that leaves torch this much")
     args = parser.parse_args()
+    fraction = None if args.capacity_gib is None else args.capacity_gib * 2**30 / torch.cuda.mem_get_info()[1]
     from test_gpu import ALLOCATOR_TRACE  # the walk itself, so the recorded trace is the tested one
 
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    sys.argv = ["walk", str(args.streams)] + ([] if args.fraction is None else [repr(args.fraction)])
+    sys.argv = ["walk", str(args.streams)] + ([] if fraction is None else [repr(fraction)])
     exec(compile(ALLOCATOR_TRACE, "ALLOCATOR_TRACE", "exec"), {"__name__": "__main__"})  # prints its own figures
     snapshot = torch.cuda.memory._snapshot()
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "streams": args.streams, "fraction": args.fraction,
+              "streams": args.streams, "fraction": fraction, "capacity_gib": args.capacity_gib,
               "allocator_settings": {k: snapshot["allocator_settings"].get(k) for k in SETTINGS},
               "device_trace": [[e["action"], e["addr"], e["size"], e["stream"]]
                                for e in snapshot["device_traces"][0] if e["action"] in KEPT]}
