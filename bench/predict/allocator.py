@@ -14,11 +14,11 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
   memory no other stream can use (FSDP2 allocates its all-gather and reduce-scatter buffers on
   streams of their own);
 - a request takes the smallest cached free block of its pool and stream that holds it (best fit;
-  the lowest address among equals). CUDA places each new segment below every earlier one (seen in
-  the allocator's own snapshots on an H200 under CUDA 13: each cudaMalloc at a lower address), so
-  among blocks of one size the newest segment's comes first; the model gives its segments
-  descending addresses for that. Which free address range CUDA reuses after a segment is released
-  is not modelled (the model goes on below the lowest);
+  the lowest address among equals). Where CUDA puts a segment decides which of two equal blocks
+  is taken, so the model places its segments as CUDA did in the allocator's own snapshots (an H200,
+  CUDA 13: tests/gpu_traces/), segment for segment: in the lowest gap between earlier segments that
+  holds it, at the gap's start; else below them all. A segment of 32 MiB or more starts on a 32 MiB
+  boundary, a smaller one on 2 MiB. A released segment's range is a gap again (not seen yet);
 - none: a new segment, 2 MiB for a small request, 20 MiB for one under 10 MiB, else the request
   rounded up to 2 MiB;
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large pool);
@@ -86,6 +86,7 @@ LARGE_SEGMENT = 20 * MIB  # kLargeBuffer: the segment of a request under MIN_LAR
 MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc
 ROUND_LARGE = 2 * MIB  # kRoundLarge
 MIN_BLOCK = 512  # kMinBlockSize
+VA_LARGE_ALIGN = 32 * MIB  # CUDA starts a segment this large or larger on such a boundary (seen, not documented)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Replay:
     _heads: dict[int, Block] = field(default_factory=dict)  # segment id -> its first block
     # (stream, small pool?) -> its free blocks, sorted by (size, address)
     _pools: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=lambda: defaultdict(list))
-    _lowest_address: int = 1 << 62  # where the next segment ends: each new one lies below the last
+    _ranges: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every segment, in order
     _segments_made: int = 0
     _large_requests: int = 0  # the large pool's get_free_blocks_call_count: the clock of blocks' ages
 
@@ -209,13 +210,27 @@ class Replay:
             if not self._fits(size):
                 return None
         segment, self._segments_made = self._segments_made, self._segments_made + 1
-        self._lowest_address -= size
-        block = Block(segment, self._lowest_address, size, small, stream)
+        block = Block(segment, self._place(size), size, small, stream)
         self.segments[segment], self._heads[segment] = size, block
         self.reserved_bytes += size
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         self._put(block)
         return block
+
+    def _place(self, size: int) -> int:
+        """The address CUDA gives a new segment of `size` bytes (see the module's text)."""
+        align = VA_LARGE_ALIGN if size >= VA_LARGE_ALIGN else SMALL_SEGMENT
+        start = None
+        for (_, gap_start), (gap_end, _) in zip(self._ranges, self._ranges[1:], strict=False):
+            aligned = -(-gap_start // align) * align
+            if aligned + size <= gap_end:
+                start = aligned
+                break
+        if start is None:
+            lowest = self._ranges[0][0] if self._ranges else 1 << 62
+            start = (lowest - size) // align * align
+        bisect.insort(self._ranges, (start, start + size))
+        return start
 
     def _fits(self, size: int) -> bool:
         return self.capacity_bytes is None or self.reserved_bytes + size <= self.capacity_bytes
@@ -275,6 +290,7 @@ class Replay:
     def _release(self, head: Block) -> None:
         """cudaFree a segment held as one free block."""
         self._take(head)
+        self._ranges.remove((head.address, head.address + self.segments[head.segment]))
         self.reserved_bytes -= self.segments.pop(head.segment)
         del self._heads[head.segment]
 
