@@ -134,7 +134,7 @@ class Replay:
     _heads: dict[int, Block] = field(default_factory=dict)  # segment id -> its first block
     # (stream, small pool?) -> its free blocks, sorted by (size, address)
     _pools: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=lambda: defaultdict(list))
-    _ranges: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every segment, in order
+    _ranges: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every segment, by address
     _segments_made: int = 0
     _large_requests: int = 0  # the large pool's get_free_blocks_call_count: the clock of blocks' ages
 

@@ -20,8 +20,6 @@ then allocates dQ, dK, dV, then:
 - with grouped-query attention (fewer K/V heads than query heads): dK and dV for every query head
   (batch, seq, heads, head_dim, in q's dtype), then summed over each group into dK and dV.
 
-The copies are freed with the rest as the op returns.
-
 All are freed as the op returns: no new allocated peak on the published cells, but they take cached
 blocks, so what the caching allocator reserves can change. On the 61 published H100 cells
 (Llama-3.2-1B/3B: grouped-query attention) the allocated peaks do not move and the reserved ones
