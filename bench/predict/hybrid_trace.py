@@ -94,7 +94,7 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, layout: Layout,
     markers = []  # where each step ends: after its optimizer step, before anything the next one makes
     previous_end = -1
     for number, step in enumerate(counter.steps):
-        if states.gathered_bytes and step.stage in forward_starts:
+        if (states.gathered_bytes or states.persistent_bytes) and step.stage in forward_starts:
             trace.at = (forward_starts[step.stage], -0.5)
             engine.gather(held=number > 0)
         for gradient in hooks:
@@ -161,6 +161,7 @@ class _Engine:
     bucket: int | None = None  # the bucket's id while it lives (ZeRO-2: one backward)
     partition: int | None = None  # ZeRO-2's 16-bit gradient partition's, from the first reduction to the step
     gathered: dict[int, int] = field(default_factory=dict)  # parameter position -> its gathered weight's id
+    persistent: list[int] = field(default_factory=list)  # ZeRO-3's persistent weights' ids while gathered
     held: list[int] = field(default_factory=list)  # gradients larger than the bucket, to the next reduction
     backward: ZeroBackward | None = None  # the hooks' bookkeeping, shared with the hybrid's count
 
@@ -247,9 +248,14 @@ class _Engine:
     def gather(self, held: bool) -> None:
         """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered. The first
         step has no trace of the modules' order yet: each weight is released after its module
-        (`held` False), here as soon as it is gathered."""
+        (`held` False), here as soon as it is gathered. A persistent weight is gathered in the first
+        step and kept; later, the previous step gathered it again (`optimizer_step`)."""
         budget = self.states.gathered_bytes
         for index, elements in enumerate(self.layout.numels):
+            if index in self.layout.persistent:
+                if not held and self.states.persistent_bytes:
+                    self.persistent.append(self.trace.malloc(self._whole(elements), self.stream(ALLGATHER_STREAM)))
+                continue
             if index in self.layout.without_backward:  # released after its forward (`Layout`)
                 self.trace.transient(2 * elements, self.stream(ALLGATHER_STREAM))
                 continue
@@ -315,7 +321,20 @@ class _Engine:
         self.trace.free(back)
         self.trace.free(flat)
 
+    def _whole(self, elements: int) -> int:
+        """A weight gathered whole: its elements padded to a multiple of the ranks, 16-bit."""
+        return 2 * per_rank(elements, self.states.ranks) * self.states.ranks
+
     def optimizer_step(self, first: bool) -> None:
+        """ZeRO-3's persistent weights released, DeepSpeed's step, the persistent weights gathered again."""
+        for ident in self.persistent:
+            self.trace.free(ident)
+        self._step_on_gpu(first)
+        if self.persistent:
+            self.persistent = [self.trace.malloc(self._whole(self.layout.numels[i]), self.stream(ALLGATHER_STREAM))
+                               for i in sorted(self.layout.persistent)]
+
+    def _step_on_gpu(self, first: bool) -> None:
         """DeepSpeed's step on the GPU, sub-group by sub-group (ZeRO-2: its whole partition at once)."""
         if self.states.to_host:
             return  # the step runs on the host; the GPU's 16-bit weights are written in place
