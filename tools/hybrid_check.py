@@ -22,7 +22,9 @@ A model is a registry name or a config.json.
 default) to N on both sides: what ZeRO-3 keeps gathered on several ranks, checked on a small model as a
 large one meets those limits (Llama-3.1-8B has 8 times their 1e9 parameters). `--sub-group N` sets
 ZeRO-3's optimizer `sub_group_size` (1e9 by default) to N on both sides: a small model stepped in
-sub-groups, as a rank with more than 1e9 parameters is.
+sub-groups, as a rank with more than 1e9 parameters is. `--zero3-persist N` sets ZeRO-3's
+`stage3_param_persistence_threshold` (1e5 by default) to N on both sides: fewer persistent parameters,
+so that a tiny model's weights are gathered and released as a large model's are.
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON line per stack instead of the table")
     parser.add_argument("--zero3-live", type=int, help="ZeRO-3's max live parameters and max reuse distance (default 1e9)")
     parser.add_argument("--sub-group", type=int, help="ZeRO-3's optimizer sub-group size, elements (default 1e9)")
+    parser.add_argument("--zero3-persist", type=int, help="ZeRO-3's param persistence threshold, elements (default 1e5)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
         if args.sub_group:
             _limit_sub_groups(args.sub_group)
+        if args.zero3_persist is not None:
+            _limit_persistence(args.zero3_persist)
         print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live)))
         return
     if not args.json:
@@ -99,6 +104,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         live = ["--zero3-live", str(args.zero3_live)] if args.zero3_live else []
         live += ["--sub-group", str(args.sub_group)] if args.sub_group else []
+        live += ["--zero3-persist", str(args.zero3_persist)] if args.zero3_persist is not None else []
         children.append(subprocess.Popen([sys.executable, __file__, args.model, "--seq", str(args.seq), "--batch",
                                           str(args.batch), "--ranks", str(args.ranks), "--one", stack, *live],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env))
@@ -178,7 +184,7 @@ def _limit_zero3(live: int) -> None:
         out["zero_optimization"].update(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
         return out
     deepspeed.config = limited_config  # type: ignore[assignment]
-    hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
+    hybrid.max_reuse_distance = lambda: live  # type: ignore[assignment]
 
 
 def _limit_sub_groups(size: int) -> None:
@@ -194,6 +200,23 @@ def _limit_sub_groups(size: int) -> None:
         return out
     deepspeed.config = sized_config  # type: ignore[assignment]
     hybrid.sub_group_size = lambda: size  # type: ignore[assignment]
+
+
+def _limit_persistence(elements: int) -> None:
+    """DeepSpeed's config for this process's cell and the hybrid's persistent parameters, both given
+    `elements` as ZeRO-3's param persistence threshold."""
+    from bench.engines import deepspeed
+    from bench.predict import hybrid
+
+    config = deepspeed.config
+
+    def persist_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = config(*args, **kwargs)
+        out["zero_optimization"]["stage3_param_persistence_threshold"] = elements
+        return out
+    deepspeed.config = persist_config  # type: ignore[assignment]
+    model_threshold = hybrid.persistence_thresholds()[1]
+    hybrid.persistence_thresholds = lambda: (elements, model_threshold)  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

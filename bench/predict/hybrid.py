@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/7: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/8: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -21,8 +21,10 @@ so a ZeRO cell's memory is assembled from two sources:
   where its gradient hooks fire (`MemoryCounter.watch_gradients`): the **gradient reduction bucket**
   (`reduce_bucket_size` 16-bit elements, the stack's `bucket`; ZeRO-3's from initialize on, ZeRO-2's
   from backward's first gradient), each gradient until its hook, the reductions' temporaries, ZeRO-2's
-  16-bit gradient partition, and ZeRO-3's gathered weights, released in backward, and on several ranks
-  its persistent weights (small ones: `persistent_positions`), kept gathered but for the optimizer step.
+  16-bit gradient partition, and ZeRO-3's gathered weights: on several ranks, those whose next use
+  lies within its reuse distance are held into backward and released there, the others gathered again
+  for their module's backward (`beyond_reuse`); and its persistent weights (small ones:
+  `persistent_positions`), kept gathered but for the optimizer step.
 
 Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved:
 the same allocations as one trace, the fake run's own and the engine's in DeepSpeed's order
@@ -91,19 +93,26 @@ bucket needs a segment of its own; the build's weights leave their segments cach
 ZeRO-3's persistent weights on several ranks (DeepSpeed keeps every parameter of at most 1e5 elements
 gathered on every rank): tiny-llama's are all persistent, and two ranks of `zero3` with its limits
 scaled down went from -1.6% (330 KB) to -0.02%; on Llama-3.2-3B they are its norms (350 KB a rank).
+hybrid/8 keeps gathered into backward what DeepSpeed keeps (`beyond_reuse`), where hybrid/7 counted
+`stage3_max_live_parameters` (1e9) of weights, 2 GB, held from forward into backward: after a module's
+forward DeepSpeed releases its weights unless they are used again within `stage3_max_reuse_distance`
+(1e9) elements of the modules that follow. Llama-3.1-8B on two ranks keeps lm_head alone (1.05 GB):
+`zero3` at seq 2048 fell from 77.94 to 77.06 GiB allocated (reserved 78.55 to 78.61: the weights it
+gathers and releases make their segments too). With both limits set to N on two ranks (`tools/
+hybrid_check.py --zero3-live N`), a 7M Llama (hidden 256, 4 layers, vocab 8192) at seq 1024, batch 4
+and N = 600,000 keeps its lm_head (4.2 MB) gathered where hybrid/6 counted 2N: `zero3` -0.69% (-4.6 MB)
+under hybrid/6, -0.45% under hybrid/7, 4 KB under DeepSpeed now (reserved equal); `gc + zero3` 4 KB
+under too (reserved equal).
 
-What hybrid/7 still misses: ZeRO-3 on several ranks gathers its weights `stage3_prefetch_bucket_size`
-elements (5e7) at a time into one flat all-gather buffer, then copies each weight out of it; the buffer
-lives until the last of its weights is fetched by its module. Where DeepSpeed peaks in forward on
-several ranks, those buffers are the miss (the 62M Llama on two ranks at seq 256: -2.4%, about 100 MB).
-Below `stage3_max_reuse_distance` (1e9 parameters) DeepSpeed keeps every weight gathered through
-forward: it releases one after its module only if the weights used before its next use (in backward)
-reach that many. A model larger than that and its `stage3_max_live_parameters` (1e9 too) keeps about
-that many gathered: with both limits set to N (`tools/hybrid_check.py --zero3-live N`) on two ranks,
-the 44M Llama at seq 256 held 11.3 MB gathered at its peak with N = 5.5M (the hybrid counts 2N = 11.0
-MB; whole peak -0.0%), and the 62M Llama at seq 1024, batch 4, -0.3% with N = 5M (`zero3`, `zero3 +
-offload(params=true)`, `gc + zero3 + offload(params=true)` alike). Lowering one limit alone keeps them
-all gathered (not what `max_live_parameters` says: the suite keeps both at DeepSpeed's default).
+What hybrid/8 still misses: ZeRO-3 on several ranks prefetches, at each module, the weights of the
+modules ahead, `stage3_prefetch_bucket_size` elements (5e7) not gathered yet at a time (fewer once
+`stage3_max_live_parameters` are gathered), into one flat all-gather buffer, then copies each weight
+out of it; the buffer lives until the last of its weights is fetched by its module. Where DeepSpeed
+peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two ranks at seq 256:
+-2.4%, about 100 MB). A weight the prefetch has seen ahead is not released either, so a model smaller
+than the prefetch bucket keeps every weight gathered through forward whatever its reuse distance (the
+checks lower both limits). gc's recomputation gathers a layer's weights again in backward; the hybrid
+gathers each weight again only at its gradient's hook.
 """
 from __future__ import annotations
 
@@ -120,12 +129,12 @@ from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/7"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/8"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
 # 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated;
-# 7: ZeRO-3's persistent weights on several ranks)
+# 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -142,15 +151,17 @@ class Layout:
     hook's index (`GradientReady.index`) is its parameter's rank among the trained. A frozen one whose
     modules backward never runs (`without_backward`: nothing before them trains, so their outputs need no
     gradient; seen in the fake run, `MemoryCounter.needs_backward`) is released by ZeRO-3 after its
-    forward, once it has the trace of a step: it is not gathered through the rest of the step.
-    ZeRO-3's persistent parameters (`persistent_positions`) are gathered once and kept: they are not
-    among the weights held for backward and released."""
+    forward, once it has the trace of a step: it is not gathered through the rest of the step. So is
+    one whose next use lies further than `stage3_max_reuse_distance` (`beyond_reuse`); backward gathers
+    it again for its module. ZeRO-3's persistent parameters (`persistent_positions`) are gathered once
+    and kept: they are not among the weights held for backward and released."""
 
     numels: tuple[int, ...]
     trained: tuple[int, ...]  # the trained parameters' positions in `numels`, in order
     ranks: int = 1
     without_backward: frozenset[int] = frozenset()  # frozen parameters' positions whose modules backward never runs
     persistent: frozenset[int] = frozenset()  # ZeRO-3's persistent parameters' positions (`persistent_positions`)
+    beyond_reuse: frozenset[int] = frozenset()  # released after forward, their next use too far (`beyond_reuse`)
     # QLoRA's frozen 4-bit weights as a load leaves them: (position, packed elements, bytes of the packed
     # weight and its quantization state; bench/predict/bnb.py), where any other weight holds 2 B an element
     quantized: tuple[tuple[int, int, int], ...] = ()
@@ -165,7 +176,9 @@ class Layout:
         unused = frozenset(i for i, needed in (needs_backward or {}).items() if not needed and i not in trained)
         quantized = tuple((i, *bnb.loaded_sizes(p)) for i, p in enumerate(params) if bnb.is_4bit(p))
         numels = tuple(p.numel() for p in params)
-        return cls(numels, trained, ranks, unused, persistent_positions(numels), quantized)
+        persistent = persistent_positions(numels)
+        far = beyond_reuse(numels, module_params(model), unused | persistent, max_reuse_distance())
+        return cls(numels, trained, ranks, unused, persistent, far - unused - persistent, quantized)
 
     @classmethod
     def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
@@ -199,7 +212,11 @@ class Layout:
     def held_for_backward(self) -> int:
         """The elements of the weights ZeRO-3 keeps gathered from forward into backward, at most, and
         releases in backward (not the persistent ones)."""
-        return self.total - sum(self.numels[i] for i in self.without_backward | self.persistent)
+        return self.total - sum(self.numels[i] for i in self._not_held)
+
+    @property
+    def _not_held(self) -> frozenset[int]:
+        return self.without_backward | self.persistent | self.beyond_reuse
 
     @property
     def persistent_bytes(self) -> int:
@@ -218,7 +235,46 @@ class Layout:
         one (backward runs the modules in reverse: it has passed theirs), but those it never gathered
         for backward. Without frozen ones, its own."""
         end = self.trained[index + 1] if index + 1 < len(self.trained) else len(self.numels)
-        return [i for i in range(self.trained[index], end) if i not in self.without_backward | self.persistent]
+        return [i for i in range(self.trained[index], end) if i not in self._not_held]
+
+    def regathered_at(self, index: int) -> list[int]:
+        """The positions ZeRO-3 gathers again for backward (`beyond_reuse`) whose modules backward runs
+        where the `index`-th trained parameter's gradient is made: its own, and the frozen ones after it
+        up to the next trained one."""
+        end = self.trained[index + 1] if index + 1 < len(self.trained) else len(self.numels)
+        return [i for i in range(self.trained[index], end) if i in self.beyond_reuse]
+
+
+def module_params(model: Any) -> list[tuple[int, ...]]:
+    """Each module's own parameters (their positions in `model.parameters()`), modules in the order they
+    were registered, which is the order a decoder runs them in forward (a norm or two aside); a tied
+    weight appears in each module that holds it."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    out = [tuple(position[id(p)] for p in m.parameters(recurse=False)) for m in model.modules()]
+    return [positions for positions in out if positions]
+
+
+def beyond_reuse(numels: tuple[int, ...], modules: list[tuple[int, ...]], no_backward: frozenset[int],
+                 distance: int) -> frozenset[int]:
+    """The positions ZeRO-3 releases after their last forward use, on several ranks, once it has the trace
+    of a step (DeepSpeed's `__params_to_release`): after a module's forward it looks at the modules that
+    follow in the trace (forward's rest, then backward's, in reverse; modules whose parameters are all in
+    `no_backward` have no backward), adding up their parameters' elements until they reach `distance`
+    (`stage3_max_reuse_distance`, 1e9 by default); a weight of the module not among them is released.
+    Llama-3.1-8B keeps only lm_head (525M elements) gathered into backward; Llama-3.2-3B its tied
+    embedding and most of its last layer. Modules stand in for the trace at their registration order,
+    and gc's recomputation in backward is not among them."""
+    backward = [m for m in reversed(modules) if not set(m) <= no_backward]
+    trace = [*modules, *backward]
+    kept: set[int] = set()
+    for k, module in enumerate(modules):
+        traversed = 0
+        for later in trace[k + 1:]:
+            if traversed >= distance:
+                break
+            kept.update(set(module) & set(later))
+            traversed += sum(numels[i] for i in later)
+    return frozenset(range(len(numels))) - kept
 
 
 def persistent_positions(numels: tuple[int, ...]) -> frozenset[int]:
@@ -230,17 +286,24 @@ def persistent_positions(numels: tuple[int, ...]) -> frozenset[int]:
     Norms and biases; every projection of a small model; a LoRA adapter of rank 16 beside a 3072-wide
     projection (49,152 elements). Two ranks of tiny-llama (223,552 parameters, all persistent) hold
     449,024 B of them, which the hybrid missed before (-1.6%)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    config = DeepSpeedZeroConfig()
+    param_threshold, model_threshold = persistence_thresholds()
     out, total = [], 0
     for position, elements in enumerate(numels):
-        if elements + total > config.model_persistence_threshold:
+        if elements + total > model_threshold:
             continue
-        if elements <= config.param_persistence_threshold:
+        if elements <= param_threshold:
             out.append(position)
             total += elements
     return frozenset(out)
+
+
+def persistence_thresholds() -> tuple[int, int]:
+    """DeepSpeed's `stage3_param_persistence_threshold` and `stage3_model_persistence_threshold` (1e5 and
+    no limit by default; the suite sets neither)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    config = DeepSpeedZeroConfig()
+    return int(config.param_persistence_threshold), int(config.model_persistence_threshold)
 
 
 @dataclass(frozen=True)
@@ -261,6 +324,7 @@ class ModelStates:
     host_training_bytes: int = 0  # the host's through forward and backward, all ranks together
     gathered_bytes: int = 0  # ZeRO-3's weights gathered whole through forward, 16-bit (not in training_bytes)
     persistent_bytes: int = 0  # ZeRO-3's persistent weights, gathered whole (in training_bytes and after_step_bytes)
+    gathers: bool = False  # ZeRO-3 gathering its weights whole on the GPU (several ranks, or from the host)
     weights_on_host: bool = False  # ZeRO-3's 16-bit partition offloaded (`offload(params=true)`)
     ranks: int = 1
     cpu_check: bool = False  # tools/hybrid_check.py: host and device one (copies between them no-ops), gloo's collectives
@@ -435,7 +499,7 @@ def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_chec
     gathers = stage == 3 and (ranks > 1 or (params_offload and not cpu_check))
     base = ModelStates(gpu_bytes=int(gpu), host_bytes=0, bucket_bytes=2 * elements, training_bytes=0, step_bytes=0,
                        after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
-                       gathered_bytes=2 * min(layout.held_for_backward, max_live_parameters()) if gathers else 0,
+                       gathered_bytes=2 * layout.held_for_backward if gathers else 0, gathers=gathers,
                        weights_on_host=stage == 3 and params_offload)
     return _with_persistent(_phased_states(cell, layout, base, optimizer_offload, params_offload),
                             layout.persistent_bytes if gathers else 0)
@@ -474,12 +538,12 @@ def _phased_states(cell: Cell, layout: Layout, base: ModelStates, optimizer_offl
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
 
 
-def max_live_parameters() -> int:
-    """DeepSpeed's `stage3_max_live_parameters` and `stage3_max_reuse_distance` (both 1e9 by default; the
-    suite sets neither): on several ranks, about how many weights ZeRO-3 keeps gathered."""
+def max_reuse_distance() -> int:
+    """DeepSpeed's `stage3_max_reuse_distance` (1e9 by default; the suite sets none): on several ranks, how
+    far ahead ZeRO-3 looks for a weight's next use before it releases it (`beyond_reuse`)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    return int(DeepSpeedZeroConfig().max_live_parameters)
+    return int(DeepSpeedZeroConfig().max_reuse_distance)
 
 
 def zero2_offload(weight_bytes: int, trained: int, largest_trained: int, ranks: int, adam: str,
@@ -656,15 +720,24 @@ class ZeroBackward:
         return self.bucket_bytes + self.partition_bytes + held + gathered
 
     def hook(self, gradient: GradientReady) -> int:
-        """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included."""
+        """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included (and
+        the weights backward gathered again for its module: `regathered_bytes`)."""
         self.bucket_bytes = self.states.bucket_bytes
-        most = 0
+        most, regathered = 0, self.regathered_bytes(gradient)
         if self.overflows(gradient):
-            most = self._reduce(waiting_bytes=gradient.nbytes)
-        most = max(most, gradient.nbytes + self.alive_bytes())
+            most = self._reduce(waiting_bytes=gradient.nbytes + regathered)
+        most = max(most, gradient.nbytes + self.alive_bytes() + regathered)
         self.filled.append(gradient)
         self.released_elements += sum(self.layout.numels[i] for i in self.layout.released_at(gradient.index))
         return most
+
+    def regathered_bytes(self, gradient: GradientReady) -> int:
+        """ZeRO-3's weights released after forward (`Layout.beyond_reuse`) and gathered again whole for
+        the backward of this gradient's module, 16-bit."""
+        if not self.states.gathers:
+            return 0
+        return sum(2 * per_rank(self.layout.numels[i], self.states.ranks) * self.states.ranks
+                   for i in self.layout.regathered_at(gradient.index))
 
     def overflows(self, gradient: GradientReady) -> bool:
         """Whether this gradient would overflow the bucket: the bucket is reduced before it goes in."""

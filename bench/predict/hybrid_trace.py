@@ -20,8 +20,10 @@ CPU):
   transient copy), its bucket and its 16-bit gradient partition; both, the transient fp32 gradient
   that initializes the optimizer's states. With the optimizer offloaded, only what stays on the GPU
   (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
-- in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream), each freed at its
-  gradient's hook (in the first step, which has no trace of the modules' order, after its module);
+- in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
+  into backward (`hybrid.Layout`) each freed at its gradient's hook, the others after their module (in
+  the first step, which has no trace of the modules' order, all of them), and gathered again at their
+  gradient's hook; its persistent weights kept, but for the optimizer step;
 - in backward, at each gradient hook (`hybrid.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
   the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
   a reduction's temporaries, each a block (`hybrid.Reduction`; ZeRO-3's on its reduce stream); ZeRO-2's
@@ -246,25 +248,20 @@ class _Engine:
         return alive
 
     def gather(self, held: bool) -> None:
-        """ZeRO-3's weights gathered whole for forward, up to what its limits keep gathered. The first
+        """ZeRO-3's weights gathered whole for forward, the ones it keeps for backward held. The first
         step has no trace of the modules' order yet: each weight is released after its module
-        (`held` False), here as soon as it is gathered. A persistent weight is gathered in the first
-        step and kept; later, the previous step gathered it again (`optimizer_step`)."""
-        budget = self.states.gathered_bytes
+        (`held` False), here as soon as it is gathered; so is one `Layout` says is released after forward
+        in any step. A persistent weight is gathered in the first step and kept; later, the previous
+        step gathered it again (`optimizer_step`)."""
+        released = self.layout.without_backward | self.layout.beyond_reuse
         for index, elements in enumerate(self.layout.numels):
             if index in self.layout.persistent:
                 if not held and self.states.persistent_bytes:
                     self.persistent.append(self.trace.malloc(self._whole(elements), self.stream(ALLGATHER_STREAM)))
-                continue
-            if index in self.layout.without_backward:  # released after its forward (`Layout`)
+            elif held and index not in released:
+                self.gathered[index] = self.trace.malloc(2 * elements, self.stream(ALLGATHER_STREAM))
+            else:
                 self.trace.transient(2 * elements, self.stream(ALLGATHER_STREAM))
-                continue
-            if budget < 2 * elements:
-                break
-            self.gathered[index] = self.trace.malloc(2 * elements, self.stream(ALLGATHER_STREAM))
-            budget -= 2 * elements
-            if not held:
-                self.trace.free(self.gathered.pop(index))
 
     def hook(self, gradient: GradientReady) -> None:
         """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
@@ -274,6 +271,7 @@ class _Engine:
             self.backward = ZeroBackward(self.states, self.layout)
         if self.bucket is None:
             self.bucket = self.trace.malloc(self.states.bucket_bytes)
+        regathered = self.trace.malloc(self.backward.regathered_bytes(gradient), self.stream(ALLGATHER_STREAM))
         made = self.trace.malloc(gradient.nbytes)
         if self.backward.overflows(gradient):
             self._reduce()
@@ -282,6 +280,7 @@ class _Engine:
             self.held.append(made)
         else:
             self.trace.free(made)
+        self.trace.free(regathered)
         for position in self.layout.released_at(gradient.index):
             if position in self.gathered:
                 self.trace.free(self.gathered.pop(position))
