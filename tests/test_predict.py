@@ -280,7 +280,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/8"
+    assert found["prediction_method"] == "hybrid/9"
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -875,14 +875,18 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     reverse. After each module's forward it adds up the elements of the modules that follow until they
     reach the distance (150): only the last module meets itself again in time (its backward comes next).
     With 1000, every one. A tied weight (first and last module) is kept for its last use; a module
-    backward never runs is not in backward's trace. On two ranks, the hybrid holds the kept weight into
-    backward and gathers a released one again for its module's backward: 2 B an element at its hook."""
+    backward never runs is not in backward's trace. Its prefetch then holds weights from the model's end
+    until max_live are. On two ranks, the hybrid holds the kept weight into backward and gathers a
+    released one again for its module's backward: 2 B an element at its hook."""
     numels, modules = (100, 50, 50, 200), [(0,), (1,), (2,), (3,)]
     assert hybrid.beyond_reuse(numels, modules, frozenset(), 150) == {0, 1, 2}
     assert hybrid.beyond_reuse(numels, modules, frozenset(), 1000) == set()
     assert hybrid.beyond_reuse((100, 500), [(0,), (1,), (0,)], frozenset(), 200) == {1}
     assert hybrid.beyond_reuse((100, 50), [(0,), (1,)], frozenset(), 80) == {0}
     assert hybrid.beyond_reuse((100, 50), [(0,), (1,)], frozenset({1}), 80) == {1}  # 0's next use is 50 away
+    # the prefetch tops what is held up to max_live from the model's end: 200 held, 290 wanted
+    assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 290) == {2, 1}
+    assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 200) == set()
     layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2), beyond_reuse=frozenset({0, 1, 2}))
     assert layout.held_for_backward == 200 and layout.released_at(1) == [] and layout.regathered_at(1) == [1]
     states = dataclasses.replace(_zero3_states(1000, ranks=2), gathered_bytes=400, gathers=True)
@@ -985,7 +989,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/8"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/9"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

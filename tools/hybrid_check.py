@@ -185,6 +185,7 @@ def _limit_zero3(live: int) -> None:
         return out
     deepspeed.config = limited_config  # type: ignore[assignment]
     hybrid.max_reuse_distance = lambda: live  # type: ignore[assignment]
+    hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
 
 
 def _limit_sub_groups(size: int) -> None:

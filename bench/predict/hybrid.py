@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/8: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/9: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -22,8 +22,9 @@ so a ZeRO cell's memory is assembled from two sources:
   (`reduce_bucket_size` 16-bit elements, the stack's `bucket`; ZeRO-3's from initialize on, ZeRO-2's
   from backward's first gradient), each gradient until its hook, the reductions' temporaries, ZeRO-2's
   16-bit gradient partition, and ZeRO-3's gathered weights: on several ranks, those whose next use
-  lies within its reuse distance are held into backward and released there, the others gathered again
-  for their module's backward (`beyond_reuse`); and its persistent weights (small ones:
+  lies within its reuse distance, topped up to max_live by its prefetch, are held into backward and
+  released there, the others gathered again for their module's backward (`beyond_reuse`,
+  `prefetched`); and its persistent weights (small ones:
   `persistent_positions`), kept gathered but for the optimizer step.
 
 Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved:
@@ -93,26 +94,27 @@ bucket needs a segment of its own; the build's weights leave their segments cach
 ZeRO-3's persistent weights on several ranks (DeepSpeed keeps every parameter of at most 1e5 elements
 gathered on every rank): tiny-llama's are all persistent, and two ranks of `zero3` with its limits
 scaled down went from -1.6% (330 KB) to -0.02%; on Llama-3.2-3B they are its norms (350 KB a rank).
-hybrid/8 keeps gathered into backward what DeepSpeed keeps (`beyond_reuse`), where hybrid/7 counted
-`stage3_max_live_parameters` (1e9) of weights, 2 GB, held from forward into backward: after a module's
-forward DeepSpeed releases its weights unless they are used again within `stage3_max_reuse_distance`
-(1e9) elements of the modules that follow. Llama-3.1-8B on two ranks keeps lm_head alone (1.05 GB):
-`zero3` at seq 2048 fell from 77.94 to 77.06 GiB allocated (reserved 78.55 to 78.61: the weights it
-gathers and releases make their segments too). With both limits set to N on two ranks (`tools/
-hybrid_check.py --zero3-live N`), a 7M Llama (hidden 256, 4 layers, vocab 8192) at seq 1024, batch 4
-and N = 600,000 keeps its lm_head (4.2 MB) gathered where hybrid/6 counted 2N: `zero3` -0.69% (-4.6 MB)
-under hybrid/6, -0.45% under hybrid/7, 4 KB under DeepSpeed now (reserved equal); `gc + zero3` 4 KB
-under too (reserved equal).
+hybrid/8 kept gathered into backward only the weights DeepSpeed's reuse distance keeps (`beyond_reuse`)
+and gathered the others again at their gradient's hook. That is what DeepSpeed does when its prefetch
+is idle, where those weights already number `stage3_max_live_parameters` or more: with both limits set to
+N on two ranks (`tools/hybrid_check.py --zero3-live N`), a 7M Llama (hidden 256, 4 layers, vocab 8192)
+at seq 1024, batch 4, N = 600,000 keeps its lm_head (4.2 MB) where hybrid/6 counted 2N: `zero3` -0.69%
+(-4.6 MB) under hybrid/6, -0.45% under hybrid/7, 4 KB under since (reserved equal), `gc + zero3` too.
+But at DeepSpeed's defaults a large model's prefetch tops what is gathered up to max_live at forward's
+end (`prefetched`): a 14M Llama (hidden 256, 16 layers, vocab 4096, untied) on two ranks with every
+limit scaled to Llama-3.1-8B's (live and reuse 1.73M, prefetch 86,600, persistence 300) held 1.79M
+elements at its peak, where hybrid/8 counted lm_head's 1.05M (-0.63%, `gc + zero3` -1.25%). hybrid/9
+holds both: the reuse distance's weights, topped up to max_live from the model's end, so at defaults
+about hybrid/6's 2 GB (Llama-3.1-8B: 1.02e9 elements held into backward). The 14M Llama: `zero3` 4 KB
+under DeepSpeed (reserved -0.16%), `gc + zero3` -1.25% (-2.1 MB: backward's prefetch, below).
 
-What hybrid/8 still misses: ZeRO-3 on several ranks prefetches, at each module, the weights of the
-modules ahead, `stage3_prefetch_bucket_size` elements (5e7) not gathered yet at a time (fewer once
-`stage3_max_live_parameters` are gathered), into one flat all-gather buffer, then copies each weight
-out of it; the buffer lives until the last of its weights is fetched by its module. Where DeepSpeed
-peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two ranks at seq 256:
--2.4%, about 100 MB). A weight the prefetch has seen ahead is not released either, so a model smaller
-than the prefetch bucket keeps every weight gathered through forward whatever its reuse distance (the
-checks lower both limits). gc's recomputation gathers a layer's weights again in backward; the hybrid
-gathers each weight again only at its gradient's hook.
+What hybrid/9 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
+copies each weight out of it; the buffer lives until the last of its weights is fetched by its module.
+Where DeepSpeed peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two
+ranks at seq 256: -2.4%, about 100 MB). In backward the prefetch keeps topping up to max_live; the
+hybrid releases what it held at each hook and gathers one weight again there. gc's recomputation
+gathers a layer's weights again in backward; the hybrid gathers each weight again only at its
+gradient's hook.
 """
 from __future__ import annotations
 
@@ -129,12 +131,13 @@ from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/8"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/9"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
 # 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated;
-# 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance)
+# 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance;
+# 9: and topped up to max_live by its prefetch)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -177,8 +180,10 @@ class Layout:
         quantized = tuple((i, *bnb.loaded_sizes(p)) for i, p in enumerate(params) if bnb.is_4bit(p))
         numels = tuple(p.numel() for p in params)
         persistent = persistent_positions(numels)
-        far = beyond_reuse(numels, module_params(model), unused | persistent, max_reuse_distance())
-        return cls(numels, trained, ranks, unused, persistent, far - unused - persistent, quantized)
+        far = beyond_reuse(numels, module_params(model), unused | persistent, max_reuse_distance()) - unused - persistent
+        kept = frozenset(range(len(numels))) - far - unused - persistent
+        far -= prefetched(numels, kept, far, max_live_parameters())
+        return cls(numels, trained, ranks, unused, persistent, far, quantized)
 
     @classmethod
     def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
@@ -275,6 +280,25 @@ def beyond_reuse(numels: tuple[int, ...], modules: list[tuple[int, ...]], no_bac
             kept.update(set(module) & set(later))
             traversed += sum(numels[i] for i in later)
     return frozenset(range(len(numels))) - kept
+
+
+def prefetched(numels: tuple[int, ...], kept: frozenset[int], released: frozenset[int], max_live: int) -> frozenset[int]:
+    """Of the weights the reuse distance releases after forward (`released`), those ZeRO-3's prefetch
+    holds into backward all the same: at each module it gathers the weights of the modules ahead,
+    `stage3_prefetch_bucket_size` elements (5e7) at a time, while fewer than `stage3_max_live_parameters`
+    (1e9) are gathered (`kept` ones, held by the reuse distance, among them; persistent ones not), and
+    at forward's end those ahead are backward's first. So what is held into
+    backward is topped up to max_live from the model's end: backward's first weights, whole (a 14M Llama
+    of 16 layers on two ranks, every limit scaled to 8B's, held 1.79M elements at its peak: lm_head and
+    its last layer, to 1.73M)."""
+    held = sum(numels[i] for i in kept)
+    out = []
+    for position in sorted(released, reverse=True):
+        if held >= max_live:
+            break
+        out.append(position)
+        held += numels[position]
+    return frozenset(out)
 
 
 def persistent_positions(numels: tuple[int, ...]) -> frozenset[int]:
@@ -536,6 +560,14 @@ def _phased_states(cell: Cell, layout: Layout, base: ModelStates, optimizer_offl
     training, step, after = phased(cell, layout)
     partition = 0 if stage == 3 else 2 * per_rank(sum(layout.trained_numels), ranks)
     return replace(base, training_bytes=training, step_bytes=step, after_step_bytes=after, partition_bytes=partition)
+
+
+def max_live_parameters() -> int:
+    """DeepSpeed's `stage3_max_live_parameters` (1e9 by default; the suite sets none): on several ranks,
+    up to how many elements ZeRO-3's prefetch keeps gathered (`prefetched`)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return int(DeepSpeedZeroConfig().max_live_parameters)
 
 
 def max_reuse_distance() -> int:
