@@ -174,50 +174,42 @@ def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
 
 def _limit_zero3(live: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 gathering, both given `live`."""
-    from bench.engines import deepspeed
     from bench.predict import hybrid
 
-    config = deepspeed.config
-
-    def limited_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        out = config(*args, **kwargs)
-        out["zero_optimization"].update(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
-        return out
-    deepspeed.config = limited_config  # type: ignore[assignment]
+    _zero_options(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
     hybrid.max_reuse_distance = lambda: live  # type: ignore[assignment]
     hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
 
 
 def _limit_sub_groups(size: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 sub-groups, both given `size`."""
-    from bench.engines import deepspeed
     from bench.predict import hybrid
 
-    config = deepspeed.config
-
-    def sized_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        out = config(*args, **kwargs)
-        out["zero_optimization"]["sub_group_size"] = size
-        return out
-    deepspeed.config = sized_config  # type: ignore[assignment]
+    _zero_options(sub_group_size=size)
     hybrid.sub_group_size = lambda: size  # type: ignore[assignment]
 
 
 def _limit_persistence(elements: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's persistent parameters, both given
     `elements` as ZeRO-3's param persistence threshold."""
-    from bench.engines import deepspeed
     from bench.predict import hybrid
+
+    _zero_options(stage3_param_persistence_threshold=elements)
+    model_threshold = hybrid.persistence_thresholds()[1]
+    hybrid.persistence_thresholds = lambda: (elements, model_threshold)  # type: ignore[assignment]
+
+
+def _zero_options(**options: int) -> None:
+    """The suite's DeepSpeed config, in this process, with these `zero_optimization` options set."""
+    from bench.engines import deepspeed
 
     config = deepspeed.config
 
-    def persist_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    def configured(*args: Any, **kwargs: Any) -> dict[str, Any]:
         out = config(*args, **kwargs)
-        out["zero_optimization"]["stage3_param_persistence_threshold"] = elements
+        out["zero_optimization"].update(options)
         return out
-    deepspeed.config = persist_config  # type: ignore[assignment]
-    model_threshold = hybrid.persistence_thresholds()[1]
-    hybrid.persistence_thresholds = lambda: (elements, model_threshold)  # type: ignore[assignment]
+    deepspeed.config = configured  # type: ignore[assignment]
 
 
 if __name__ == "__main__":
