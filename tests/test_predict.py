@@ -280,7 +280,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/9"
+    assert found["prediction_method"] == "hybrid/10"
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -414,7 +414,7 @@ def test_zero3_releases_each_gathered_weight_in_backward_after_its_gradient() ->
     """ZeRO-3 gathers the weights for forward (here 2 x 90 B of a 90-element model, fewer than its
     1e9 live parameters) and releases each after its module's backward: at its gradient's hook, so by
     backward's end none is held."""
-    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180)
+    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180, gathers=True)
     engine = hybrid.ZeroBackward(states, hybrid.Layout.all_trained([30, 60], ranks=2))
     assert engine.alive_bytes() == 200 + 180
     assert engine.hook(_ready(1, 60)) == 120 + 200 + 180  # its weight still held while its gradient is copied
@@ -829,8 +829,8 @@ def test_zero3_releases_a_frozen_weight_once_backward_has_passed_its_module() ->
     modules in reverse, so the hook of an adapter's gradient releases its own gathered weight and the
     frozen ones after it, up to the next adapter; the first frozen weight stays until backward's end."""
     layout = hybrid.Layout((100, 10, 10, 100, 10, 100), trained=(1, 2, 4), ranks=2)
-    assert [list(layout.released_at(i)) for i in range(3)] == [[1], [2, 3], [4, 5]]
-    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=2 * 330)
+    assert [list(layout.passing_at(i)) for i in range(3)] == [[1], [2, 3], [4, 5]]
+    states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=2 * 330, gathers=True)
     engine = hybrid.ZeroBackward(states, layout)
     assert engine.alive_bytes() == 200 + 660
     engine.hook(_ready(2, 10))  # the last adapter: it and the last base weight
@@ -853,7 +853,7 @@ def test_zero3_keeps_its_persistent_weights_gathered_but_for_the_optimizer_step(
     assert hybrid.persistent_positions(numels) == {1, 3}
     layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2), persistent=frozenset({1, 3}))
     assert layout.persistent_bytes == 2 * 4096 + 512
-    assert layout.held_for_backward == 300_001 and layout.released_at(1) == [] and layout.released_at(2) == [2]
+    assert layout.held_for_backward == 300_001 and layout.passing_at(1) == [] and layout.passing_at(2) == [2]
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3")), gpus=2)
     states = hybrid.model_states(cell, layout, largest_layer_params=0)
     plain = hybrid.model_states(cell, dataclasses.replace(layout, persistent=frozenset()), largest_layer_params=0)
@@ -877,7 +877,8 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     With 1000, every one. A tied weight (first and last module) is kept for its last use; a module
     backward never runs is not in backward's trace. Its prefetch then holds weights from the model's end
     until max_live are. On two ranks, the hybrid holds the kept weight into backward and gathers a
-    released one again for its module's backward: 2 B an element at its hook."""
+    released one again for its module's backward: 2 B an element at its hook; after the first step, the
+    prefetch gathers backward's next weights as each module is done, while fewer than max_live are."""
     numels, modules = (100, 50, 50, 200), [(0,), (1,), (2,), (3,)]
     assert hybrid.beyond_reuse(numels, modules, frozenset(), 150) == {0, 1, 2}
     assert hybrid.beyond_reuse(numels, modules, frozenset(), 1000) == set()
@@ -888,11 +889,18 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 290) == {2, 1}
     assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 200) == set()
     layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2), beyond_reuse=frozenset({0, 1, 2}))
-    assert layout.held_for_backward == 200 and layout.released_at(1) == [] and layout.regathered_at(1) == [1]
+    assert layout.held_for_backward == 200 and layout.held_positions == {3} and layout.passing_at(1) == [1]
     states = dataclasses.replace(_zero3_states(1000, ranks=2), gathered_bytes=400, gathers=True)
     engine = hybrid.ZeroBackward(states, layout)
     assert engine.hook(_ready(3, 200)) == 400 + 2000 + 400  # the gradient, the bucket, the kept weight
     assert engine.hook(_ready(2, 50)) == 100 + 2000 + 100  # its weight gathered again, the last one released
+    # after the first step the prefetch gathers backward's next weights, here while fewer than 90 elements are
+    prefetching = hybrid.ZeroBackward(dataclasses.replace(states, max_live_elements=90), layout)
+    prefetching.hook(_ready(3, 200))
+    assert prefetching.gathered == {2, 1}
+    assert prefetching.hook(_ready(2, 50)) == 100 + 2000 + 2 * 100  # its weight prefetched: none gathered again
+    assert prefetching.gathered == {1, 0}
+    assert hybrid.ZeroBackward(states, layout, first=True).alive_bytes() == 2000  # the first step holds none
 
 
 def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors_as_on_real_ones() -> None:
@@ -989,7 +997,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/9"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/10"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/9: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/10: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -106,15 +106,17 @@ limit scaled to Llama-3.1-8B's (live and reuse 1.73M, prefetch 86,600, persisten
 elements at its peak, where hybrid/8 counted lm_head's 1.05M (-0.63%, `gc + zero3` -1.25%). hybrid/9
 holds both: the reuse distance's weights, topped up to max_live from the model's end, so at defaults
 about hybrid/6's 2 GB (Llama-3.1-8B: 1.02e9 elements held into backward). The 14M Llama: `zero3` 4 KB
-under DeepSpeed (reserved -0.16%), `gc + zero3` -1.25% (-2.1 MB: backward's prefetch, below).
+under DeepSpeed (reserved -0.16%), `gc + zero3` -1.25% (-2.1 MB). hybrid/10 lets the prefetch go on
+through backward (`ZeroBackward.pass_module`): as each module is done, backward's next weights are
+gathered while fewer than max_live are, so a peak in mid-backward (gc's) meets about max_live gathered,
+not the few weights hybrid/9 still held there. The 14M Llama: `zero3` 4 KB under, reserved equal;
+`gc + zero3` still -1.25% (2.1 MB, about one 1M-element embedding: not explained yet), reserved equal.
 
-What hybrid/9 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
+What hybrid/10 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
 copies each weight out of it; the buffer lives until the last of its weights is fetched by its module.
 Where DeepSpeed peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two
-ranks at seq 256: -2.4%, about 100 MB). In backward the prefetch keeps topping up to max_live; the
-hybrid releases what it held at each hook and gathers one weight again there. gc's recomputation
-gathers a layer's weights again in backward; the hybrid gathers each weight again only at its
-gradient's hook.
+ranks at seq 256: -2.4%, about 100 MB). gc's recomputation gathers a layer's weights again in
+backward; the hybrid gathers a weight again only at its gradient's hook, where the prefetch has not.
 """
 from __future__ import annotations
 
@@ -131,13 +133,13 @@ from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/9"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/10"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
 # 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated;
 # 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance;
-# 9: and topped up to max_live by its prefetch)
+# 9: and topped up to max_live by its prefetch; 10: its prefetch through backward too)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -234,20 +236,17 @@ class Layout:
         """For each trained parameter, the ranks whose ZeRO-2 partition its gradient falls in."""
         return flat_partitions(self.trained_numels, self.ranks)
 
-    def released_at(self, index: int) -> list[int]:
-        """The positions whose weights ZeRO-3 has released, gathered, by the hook of the `index`-th
-        trained parameter's gradient: its own, and the frozen ones after it up to the next trained
-        one (backward runs the modules in reverse: it has passed theirs), but those it never gathered
-        for backward. Without frozen ones, its own."""
+    def passing_at(self, index: int) -> list[int]:
+        """The positions whose modules' backward ZeRO-3 runs where the `index`-th trained parameter's
+        gradient is made, gathered, and releases after: its own, and the frozen ones after it up to the
+        next trained one (not persistent ones)."""
         end = self.trained[index + 1] if index + 1 < len(self.trained) else len(self.numels)
-        return [i for i in range(self.trained[index], end) if i not in self._not_held]
+        return [i for i in range(self.trained[index], end) if i not in self.without_backward | self.persistent]
 
-    def regathered_at(self, index: int) -> list[int]:
-        """The positions ZeRO-3 gathers again for backward (`beyond_reuse`) whose modules backward runs
-        where the `index`-th trained parameter's gradient is made: its own, and the frozen ones after it
-        up to the next trained one."""
-        end = self.trained[index + 1] if index + 1 < len(self.trained) else len(self.numels)
-        return [i for i in range(self.trained[index], end) if i in self.beyond_reuse]
+    @property
+    def held_positions(self) -> frozenset[int]:
+        """The weights ZeRO-3 holds from forward into backward (`held_for_backward`)."""
+        return frozenset(range(len(self.numels))) - self._not_held
 
 
 def module_params(model: Any) -> list[tuple[int, ...]]:
@@ -349,6 +348,7 @@ class ModelStates:
     gathered_bytes: int = 0  # ZeRO-3's weights gathered whole through forward, 16-bit (not in training_bytes)
     persistent_bytes: int = 0  # ZeRO-3's persistent weights, gathered whole (in training_bytes and after_step_bytes)
     gathers: bool = False  # ZeRO-3 gathering its weights whole on the GPU (several ranks, or from the host)
+    max_live_elements: int = 0  # ZeRO-3's `stage3_max_live_parameters`, where it gathers: what its prefetch tops up to
     weights_on_host: bool = False  # ZeRO-3's 16-bit partition offloaded (`offload(params=true)`)
     ranks: int = 1
     cpu_check: bool = False  # tools/hybrid_check.py: host and device one (copies between them no-ops), gloo's collectives
@@ -524,6 +524,7 @@ def model_states(cell: Cell, layout: Layout, largest_layer_params: int, cpu_chec
     base = ModelStates(gpu_bytes=int(gpu), host_bytes=0, bucket_bytes=2 * elements, training_bytes=0, step_bytes=0,
                        after_step_bytes=0, stage=stage, bucket_elements=elements, ranks=ranks, cpu_check=cpu_check,
                        gathered_bytes=2 * layout.held_for_backward if gathers else 0, gathers=gathers,
+                       max_live_elements=max_live_parameters() if gathers else 0,
                        weights_on_host=stage == 3 and params_offload)
     return _with_persistent(_phased_states(cell, layout, base, optimizer_offload, params_offload),
                             layout.persistent_bytes if gathers else 0)
@@ -686,12 +687,13 @@ def training_peak(counter: MemoryCounter, states: ModelStates, layout: Layout) -
     timeline = sorted([((m.event, 1), m, None) for m in counter.moments_of_roles_except(MODEL_STATE_ROLES)]
                       + [((g.event, 0), None, g) for g in counter.gradients_ready], key=lambda item: item[0])
     peak, live, backward = Peak(), 0, None
+    first_stage = counter.steps[0].stage if counter.steps else ""
     # ZeRO-3's bucket, from initialize on, and in forward its gathered weights
     outside_backward = (states.bucket_bytes if states.bucket_in_step else 0) + states.gathered_bytes
     where = ""
     for _, moment, gradient in timeline:
         if gradient is not None:  # a hook, in backward
-            backward = backward or ZeroBackward(states, layout)
+            backward = backward or ZeroBackward(states, layout, first=where.startswith(f"{first_stage}/"))
             peak = _more(peak, states.training_bytes + live + backward.hook(gradient), where, "gradient hook")
             continue
         assert moment is not None
@@ -700,7 +702,7 @@ def training_peak(counter: MemoryCounter, states: ModelStates, layout: Layout) -
             peak = _more(peak, states.training_bytes + live + backward.epilogue(), where, "reduce (backward's end)")
             backward = None
         if phase == "backward" and backward is None:
-            backward = ZeroBackward(states, layout)
+            backward = ZeroBackward(states, layout, first=moment.where.startswith(f"{first_stage}/"))
         live, where = moment.live_bytes, moment.where or where
         if moment.allocated and phase in TRAINING_PHASES:
             engine = backward.alive_bytes() if backward is not None else outside_backward
@@ -725,9 +727,10 @@ class ZeroBackward:
 
     - the bucket (`reduce_bucket_size` 16-bit elements): ZeRO-2 makes it at the first gradient's hook,
       ZeRO-3 holds it from initialize on;
-    - ZeRO-3's gathered weights (`ModelStates.gathered_bytes`): each is released after its module's
-      backward, here at its gradient's hook (a frozen one's: `Layout.released_at`); so no more are
-      held than the weights yet to be released;
+    - ZeRO-3's gathered weights (`ModelStates.gathered_bytes` at backward's start): each is released
+      after its module's backward, here at its gradient's hook (a frozen one's: `Layout.passing_at`);
+      then, after the first step, its prefetch gathers backward's next weights while fewer than max_live
+      elements are (`pass_module`); a weight not gathered is gathered at its hook (`regathered_bytes`);
     - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
       hook. One larger than the bucket waits, alone, for the next reduction;
     - a gradient that would overflow the bucket first reduces it, and backward's end reduces what is
@@ -739,16 +742,20 @@ class ZeroBackward:
     layout: Layout
     bucket_bytes: int = 0
     partition_bytes: int = 0
-    released_elements: int = 0  # the parameters whose gathered weights have been released (ZeRO-3)
+    first: bool = False  # the first step's backward: nothing held from forward, no prefetch (no trace yet)
     filled: list[GradientReady] = field(default_factory=list)  # since the last reduction, in order
+    gathered: set[int] = field(default_factory=set)  # ZeRO-3: the positions whose weights are gathered now
+    passed: set[int] = field(default_factory=set)  # ZeRO-3: the positions whose modules backward has passed
 
     def __post_init__(self) -> None:
         if self.states.bucket_in_step:
             self.bucket_bytes = self.states.bucket_bytes
+        if self.states.gathers and not self.first:
+            self.gathered = set(self.layout.held_positions)
 
     def alive_bytes(self) -> int:
         held = sum(g.nbytes for g in self.filled if g.elements > self.states.bucket_elements)
-        gathered = min(self.states.gathered_bytes, 2 * max(self.layout.held_for_backward - self.released_elements, 0))
+        gathered = sum(2 * self.layout.numels[i] for i in self.gathered)
         return self.bucket_bytes + self.partition_bytes + held + gathered
 
     def hook(self, gradient: GradientReady) -> int:
@@ -760,16 +767,35 @@ class ZeroBackward:
             most = self._reduce(waiting_bytes=gradient.nbytes + regathered)
         most = max(most, gradient.nbytes + self.alive_bytes() + regathered)
         self.filled.append(gradient)
-        self.released_elements += sum(self.layout.numels[i] for i in self.layout.released_at(gradient.index))
+        self.pass_module(gradient.index)
         return most
 
     def regathered_bytes(self, gradient: GradientReady) -> int:
-        """ZeRO-3's weights released after forward (`Layout.beyond_reuse`) and gathered again whole for
-        the backward of this gradient's module, 16-bit."""
+        """ZeRO-3's weights of this gradient's module not gathered now (released after forward, not
+        prefetched since), gathered again whole for its backward, 16-bit."""
         if not self.states.gathers:
             return 0
         return sum(2 * per_rank(self.layout.numels[i], self.states.ranks) * self.states.ranks
-                   for i in self.layout.regathered_at(gradient.index))
+                   for i in self.layout.passing_at(gradient.index) if i not in self.gathered)
+
+    def pass_module(self, index: int) -> tuple[list[int], list[int]]:
+        """The `index`-th trained parameter's module done: ZeRO-3 releases its weights, then (after the
+        first step) prefetches backward's next ones, from the model's end, while fewer than max_live
+        elements are gathered (`prefetched`). The positions released and gathered."""
+        released = [i for i in self.layout.passing_at(index) if i in self.gathered]
+        self.gathered -= set(released)
+        self.passed.update(self.layout.passing_at(index))
+        added: list[int] = []
+        if self.states.gathers and not self.first:
+            held = sum(self.layout.numels[i] for i in self.gathered)
+            ahead = self.layout.held_positions | self.layout.beyond_reuse
+            for position in sorted(ahead - self.passed - self.gathered, reverse=True):
+                if held >= self.states.max_live_elements:
+                    break
+                added.append(position)
+                held += self.layout.numels[position]
+            self.gathered.update(added)
+        return released, added
 
     def overflows(self, gradient: GradientReady) -> bool:
         """Whether this gradient would overflow the bucket: the bucket is reduced before it goes in."""

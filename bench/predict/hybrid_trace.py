@@ -99,6 +99,7 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, layout: Layout,
         if (states.gathered_bytes or states.persistent_bytes) and step.stage in forward_starts:
             trace.at = (forward_starts[step.stage], -0.5)
             engine.gather(held=number > 0)
+        engine.first_step = number == 0
         for gradient in hooks:
             if previous_end < gradient.event <= step.event:
                 trace.at = (gradient.event, -0.5)
@@ -166,6 +167,7 @@ class _Engine:
     persistent: list[int] = field(default_factory=list)  # ZeRO-3's persistent weights' ids while gathered
     held: list[int] = field(default_factory=list)  # gradients larger than the bucket, to the next reduction
     backward: ZeroBackward | None = None  # the hooks' bookkeeping, shared with the hybrid's count
+    first_step: bool = True  # the first step's backward: nothing held from forward, no prefetch
 
     @property
     def stage3(self) -> bool:
@@ -266,9 +268,9 @@ class _Engine:
     def hook(self, gradient: GradientReady) -> None:
         """A gradient ready: the bucket (ZeRO-2's first), the gradient, a reduction if it overflows the
         bucket, the gradient copied in (or held), its gathered weight released (and the frozen ones
-        backward has passed: `Layout.released_at`)."""
+        backward has passed: `ZeroBackward.pass_module`), backward's next ones prefetched."""
         if self.backward is None:
-            self.backward = ZeroBackward(self.states, self.layout)
+            self.backward = ZeroBackward(self.states, self.layout, first=self.first_step)
         if self.bucket is None:
             self.bucket = self.trace.malloc(self.states.bucket_bytes)
         regathered = self.trace.malloc(self.backward.regathered_bytes(gradient), self.stream(ALLGATHER_STREAM))
@@ -281,9 +283,12 @@ class _Engine:
         else:
             self.trace.free(made)
         self.trace.free(regathered)
-        for position in self.layout.released_at(gradient.index):
+        released, prefetched = self.backward.pass_module(gradient.index)
+        for position in released:
             if position in self.gathered:
                 self.trace.free(self.gathered.pop(position))
+        for position in prefetched:
+            self.gathered[position] = self.trace.malloc(2 * self.layout.numels[position], self.stream(ALLGATHER_STREAM))
 
     def backward_end(self) -> None:
         """The last reduction; ZeRO-2's bucket freed; weights still gathered released."""
