@@ -22,8 +22,10 @@ CPU):
   (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
 - in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
   into backward (`hybrid.Layout`) each freed at its gradient's hook, the others after their module (in
-  the first step, which has no trace of the modules' order, all of them), and gathered again at their
-  gradient's hook; its persistent weights kept, but for the optimizer step;
+  the first step, which has no trace of the modules' order, all of them); in backward, after the first
+  step, backward's next weights prefetched as each module is done (`hybrid.ZeroBackward.pass_module`),
+  and a weight not gathered gathered again at its gradient's hook; its persistent weights kept, but for
+  the optimizer step;
 - in backward, at each gradient hook (`hybrid.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
   the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
   a reduction's temporaries, each a block (`hybrid.Reduction`; ZeRO-3's on its reduce stream); ZeRO-2's
