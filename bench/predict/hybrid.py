@@ -286,10 +286,9 @@ def prefetched(numels: tuple[int, ...], kept: frozenset[int], released: frozense
     holds into backward all the same: at each module it gathers the weights of the modules ahead,
     `stage3_prefetch_bucket_size` elements (5e7) at a time, while fewer than `stage3_max_live_parameters`
     (1e9) are gathered (`kept` ones, held by the reuse distance, among them; persistent ones not), and
-    at forward's end those ahead are backward's first. So what is held into
-    backward is topped up to max_live from the model's end: backward's first weights, whole (a 14M Llama
-    of 16 layers on two ranks, every limit scaled to 8B's, held 1.79M elements at its peak: lm_head and
-    its last layer, to 1.73M)."""
+    at forward's end those ahead are backward's first. So what is held into backward is topped up to
+    max_live from the model's end, whole weights (a 14M Llama of 16 layers on two ranks, every limit
+    scaled to 8B's, held 1.79M elements at its peak: lm_head and its last layer, to 1.73M)."""
     held = sum(numels[i] for i in kept)
     out = []
     for position in sorted(released, reverse=True):
