@@ -280,7 +280,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/10"
+    assert found["prediction_method"] == "hybrid/11"
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -506,7 +506,7 @@ def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> N
     counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
     found = hybrid.assembled(cell, counter, gpu)
     meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, ranks, counter.needs_backward)
+    layout = hybrid.Layout.of(meta, ranks, counter.needs_backward, counter.fed_without_gradient)
     states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
     events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
     assert len(ends) == len(counter.steps) and ends == sorted(ends)
@@ -903,6 +903,36 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     assert hybrid.ZeroBackward(states, layout, first=True).alive_bytes() == 2000  # the first step holds none
 
 
+def test_zero3_keeps_the_input_embedding_gathered_until_backwards_last_reduction() -> None:
+    """DeepSpeed releases a module's weights once its inputs' gradients are made; the input embedding,
+    fed token ids, has none, so its weight, gathered again for its backward, stays gathered through
+    backward's last reduction. The fake run names it (`fed_without_gradient`: tiny-llama's embedding,
+    position 0, alone). By hand: three weights of 100 on two ranks, the first held to backward's end;
+    the count holds it at the last reduction and the trace frees it after that reduction."""
+    from bench.predict import hybrid_trace
+
+    cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("zero3")), gpus=2)
+    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())
+    assert counter.fed_without_gradient == {0}
+    layout = dataclasses.replace(hybrid.Layout.all_trained([100, 100, 100], ranks=2),
+                                 beyond_reuse=frozenset({0, 1, 2}), held_to_backward_end=frozenset({0}))
+    states = dataclasses.replace(_zero3_states(1000, ranks=2), gathers=True)
+    engine = hybrid.ZeroBackward(states, layout, first=True)
+    engine.hook(_ready(2, 100))
+    assert engine.gathered == set()  # gathered for its backward, released after it
+    assert engine.hook(_ready(0, 100)) == 200 + 2000 + 200  # the gradient, the bucket, the weight
+    assert engine.gathered == {0} and engine.epilogue() >= 2000 + 200
+    trace = hybrid_trace._Trace(next_id=0)
+    replayed = hybrid_trace._Engine(states, layout, trace)
+    for index in (2, 1, 0):
+        replayed.hook(_ready(index, 100))
+    replayed.backward_end()
+    events = [event for _, event in trace.keyed]
+    last_reduction = max(i for i, event in enumerate(events) if event[3] == hybrid_trace.REDUCE_STREAM)
+    assert events[-1] == ("free", events[-1][1], 200, hybrid_trace.ALLGATHER_STREAM)
+    assert last_reduction < len(events) - 1
+
+
 def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors_as_on_real_ones() -> None:
     """Its quantization maps are made for real (Python numbers), the step runs on fake tensors: phase for
     phase the real run's bytes, but for the maps' two 1 KiB copies the fake run leaves out."""
@@ -997,7 +1027,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/10"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/11"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

@@ -160,7 +160,7 @@ def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
     from bench.predict import hybrid
 
     meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, cell.gpus, steps.needs_backward)
+    layout = hybrid.Layout.of(meta, cell.gpus, steps.needs_backward, steps.fed_without_gradient)
     states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta), cpu_check=True)
     training = hybrid.training_peak(steps, states, layout)
     bucket = states.bucket_bytes if states.bucket_in_step else 0

@@ -174,6 +174,7 @@ class MemoryCounter(TorchDispatchMode):
         self.gradients_ready: list[GradientReady] = []  # in order, once `watch_gradients` is called
         self._hooks: list[Any] = []  # `watch_gradients` and `watch_backward_use`, removed at `finish`
         self.needs_backward: dict[int, bool] = {}  # a parameter's position -> whether backward runs a module of it
+        self.fed_without_gradient: set[int] = set()  # positions held by a module with backward but no input needing a gradient
         self.on_optimizer: Callable[[], Iterable[Any]] = tuple  # the trainable parameters, asked when a step begins
         self.after_step: Callable[[], Iterable[Any]] = tuple  # the optimizer's state tensors, asked after a step
         # Memory counted apart from the caching allocator's (POOLS): "pinned" (pin_memory=True, or made inside
@@ -453,14 +454,23 @@ class MemoryCounter(TorchDispatchMode):
         """Note, for each parameter (its position in `model.parameters()`), whether backward runs a module
         that holds it: whether any of its modules' outputs requires a gradient in forward
         (`needs_backward`). A frozen base's modules before its first trained one do not (an engine that
-        gathers weights for a module's backward, DeepSpeed's ZeRO-3, never gathers theirs there)."""
+        gathers weights for a module's backward, DeepSpeed's ZeRO-3, never gathers theirs there). And
+        whether such a module is called with no positional input that requires a gradient
+        (`fed_without_gradient`: the input embedding, fed token ids): ZeRO-3 learns that a module's
+        backward is done from its inputs' gradients, so it keeps that module's weights gathered until
+        backward has ended."""
         position = {id(p): i for i, p in enumerate(model.parameters())}
 
+        def needs_gradient(tensors: Any) -> bool:
+            return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(tensors))
+
         def after_forward(module: Any, args: Any, output: Any) -> None:
-            needed = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+            needed = needs_gradient(output)
             for param in module.parameters(recurse=False):
                 if id(param) in position:
                     self.needs_backward[position[id(param)]] = needed or self.needs_backward.get(position[id(param)], False)
+                    if needed and not needs_gradient(args):
+                        self.fed_without_gradient.add(position[id(param)])
         self._hooks += [m.register_forward_hook(after_forward) for m in model.modules()
                                  if next(m.parameters(recurse=False), None) is not None]
 

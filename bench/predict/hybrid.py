@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/10: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/11: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -24,8 +24,8 @@ so a ZeRO cell's memory is assembled from two sources:
   16-bit gradient partition, and ZeRO-3's gathered weights: on several ranks, those whose next use
   lies within its reuse distance, topped up to max_live by its prefetch, are held into backward and
   released there, the others gathered again for their module's backward (`beyond_reuse`,
-  `prefetched`); and its persistent weights (small ones:
-  `persistent_positions`), kept gathered but for the optimizer step.
+  `prefetched`; the input embedding's kept to backward's end: `Layout.held_to_backward_end`); and its
+  persistent weights (small ones: `persistent_positions`), kept gathered but for the optimizer step.
 
 Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved:
 the same allocations as one trace, the fake run's own and the engine's in DeepSpeed's order
@@ -110,13 +110,20 @@ under DeepSpeed (reserved -0.16%), `gc + zero3` -1.25% (-2.1 MB). hybrid/10 lets
 through backward (`ZeroBackward.pass_module`): as each module is done, backward's next weights are
 gathered while fewer than max_live are, so a peak in mid-backward (gc's) meets about max_live gathered,
 not the few weights hybrid/9 still held there. The 14M Llama: `zero3` 4 KB under, reserved equal;
-`gc + zero3` still -1.25% (2.1 MB, about one 1M-element embedding: not explained yet), reserved equal.
+`gc + zero3` still -1.25% (2.1 MB, about one 1M-element embedding), reserved equal. It was the
+embedding: DeepSpeed releases a module's weights when its inputs' gradients are made, and the input
+embedding, fed token ids, has none, so its weight, gathered for its backward, stays gathered until
+`release_backward_leftovers`, after backward's last reduction, which is gc's peak there. hybrid/11 holds
+it so (`Layout.held_to_backward_end`, from the fake run's `fed_without_gradient`): `gc + zero3` -4,608 B,
+reserved equal; `zero3` as before (its peak is earlier in backward). On Llama-3.1-8B (untied) that weight
+is 1.05 GB, gathered on every rank through the last reduction.
 
-What hybrid/10 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
+What hybrid/11 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
 copies each weight out of it; the buffer lives until the last of its weights is fetched by its module.
 Where DeepSpeed peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two
-ranks at seq 256: -2.4%, about 100 MB). gc's recomputation gathers a layer's weights again in
-backward; the hybrid gathers a weight again only at its gradient's hook, where the prefetch has not.
+ranks at seq 256: -2.4%, about 100 MB). gc's recomputation gathers a layer's weights before its
+gradients' hooks; the hybrid gathers one its prefetch has not only at its hook (no check has shown a
+miss from it: after the first step the prefetch is ahead).
 """
 from __future__ import annotations
 
@@ -133,13 +140,14 @@ from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/10"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/11"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
 # 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated;
 # 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance;
-# 9: and topped up to max_live by its prefetch; 10: its prefetch through backward too)
+# 9: and topped up to max_live by its prefetch; 10: its prefetch through backward too; 11: the input
+# embedding's weight kept gathered to backward's end)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -159,7 +167,11 @@ class Layout:
     forward, once it has the trace of a step: it is not gathered through the rest of the step. So is
     one whose next use lies further than `stage3_max_reuse_distance` (`beyond_reuse`); backward gathers
     it again for its module. ZeRO-3's persistent parameters (`persistent_positions`) are gathered once
-    and kept: they are not among the weights held for backward and released."""
+    and kept: they are not among the weights held for backward and released. One whose module has no
+    input that needs a gradient (`held_to_backward_end`: the input embedding's, fed token ids) is gathered
+    for its backward and kept until backward has ended: DeepSpeed releases a module's weights when its
+    inputs' gradients are made, and releases the others after backward's last reduction
+    (`release_backward_leftovers`)."""
 
     numels: tuple[int, ...]
     trained: tuple[int, ...]  # the trained parameters' positions in `numels`, in order
@@ -167,15 +179,18 @@ class Layout:
     without_backward: frozenset[int] = frozenset()  # frozen parameters' positions whose modules backward never runs
     persistent: frozenset[int] = frozenset()  # ZeRO-3's persistent parameters' positions (`persistent_positions`)
     beyond_reuse: frozenset[int] = frozenset()  # released after forward, their next use too far (`beyond_reuse`)
+    held_to_backward_end: frozenset[int] = frozenset()  # gathered for backward, kept to its end (no input gradient)
     # QLoRA's frozen 4-bit weights as a load leaves them: (position, packed elements, bytes of the packed
     # weight and its quantization state; bench/predict/bnb.py), where any other weight holds 2 B an element
     quantized: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
-    def of(cls, model: Any, ranks: int, needs_backward: dict[int, bool] | None = None) -> Layout:
-        """`needs_backward`: from the fake run of the cell (`MemoryCounter.needs_backward`); without it,
-        every parameter is taken to be gathered for backward. `model` built on meta (a 4-bit weight not
-        quantized yet: its loaded sizes are a fake quantization's)."""
+    def of(cls, model: Any, ranks: int, needs_backward: dict[int, bool] | None = None,
+           fed_without_gradient: set[int] | None = None) -> Layout:
+        """`needs_backward`, `fed_without_gradient`: from the fake run of the cell (`MemoryCounter`);
+        without them, every parameter is taken to be gathered for backward and released at its hook.
+        `model` built on meta (a 4-bit weight not quantized yet: its loaded sizes are a fake
+        quantization's)."""
         params = list(model.parameters())
         trained = tuple(i for i, p in enumerate(params) if p.requires_grad)
         unused = frozenset(i for i, needed in (needs_backward or {}).items() if not needed and i not in trained)
@@ -185,7 +200,8 @@ class Layout:
         far = beyond_reuse(numels, module_params(model), unused | persistent, max_reuse_distance()) - unused - persistent
         kept = frozenset(range(len(numels))) - far - unused - persistent
         far -= prefetched(numels, kept, far, max_live_parameters())
-        return cls(numels, trained, ranks, unused, persistent, far, quantized)
+        to_end = frozenset(fed_without_gradient or ()) - unused - persistent
+        return cls(numels, trained, ranks, unused, persistent, far, to_end, quantized)
 
     @classmethod
     def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
@@ -727,7 +743,8 @@ class ZeroBackward:
     - the bucket (`reduce_bucket_size` 16-bit elements): ZeRO-2 makes it at the first gradient's hook,
       ZeRO-3 holds it from initialize on;
     - ZeRO-3's gathered weights (`ModelStates.gathered_bytes` at backward's start): each is released
-      after its module's backward, here at its gradient's hook (a frozen one's: `Layout.passing_at`);
+      after its module's backward, here at its gradient's hook (a frozen one's: `Layout.passing_at`),
+      but for those held to backward's end (`gather_held_to_end`);
       then, after the first step, its prefetch gathers backward's next weights while fewer than max_live
       elements are (`pass_module`); a weight not gathered is gathered at its hook (`regathered_bytes`);
     - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
@@ -761,6 +778,7 @@ class ZeroBackward:
         """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included (and
         the weights backward gathered again for its module: `regathered_bytes`)."""
         self.bucket_bytes = self.states.bucket_bytes
+        self.gather_held_to_end(gradient)
         most, regathered = 0, self.regathered_bytes(gradient)
         if self.overflows(gradient):
             most = self._reduce(waiting_bytes=gradient.nbytes + regathered)
@@ -768,6 +786,16 @@ class ZeroBackward:
         self.filled.append(gradient)
         self.pass_module(gradient.index)
         return most
+
+    def gather_held_to_end(self, gradient: GradientReady) -> list[int]:
+        """ZeRO-3's weights of this gradient's module that it keeps gathered until backward has ended
+        (`Layout.held_to_backward_end`), gathered for its backward if they are not: their positions."""
+        if not self.states.gathers:
+            return []
+        held_to_end = self.layout.held_to_backward_end - self.gathered
+        gathered = [i for i in self.layout.passing_at(gradient.index) if i in held_to_end]
+        self.gathered.update(gathered)
+        return gathered
 
     def regathered_bytes(self, gradient: GradientReady) -> int:
         """ZeRO-3's weights of this gradient's module not gathered now (released after forward, not
@@ -778,10 +806,11 @@ class ZeroBackward:
                    for i in self.layout.passing_at(gradient.index) if i not in self.gathered)
 
     def pass_module(self, index: int) -> tuple[list[int], list[int]]:
-        """The `index`-th trained parameter's module done: ZeRO-3 releases its weights, then (after the
-        first step) prefetches backward's next ones, from the model's end, while fewer than max_live
-        elements are gathered (`prefetched`). The positions released and gathered."""
-        released = [i for i in self.layout.passing_at(index) if i in self.gathered]
+        """The `index`-th trained parameter's module done: ZeRO-3 releases its weights (not those held to
+        backward's end), then (after the first step) prefetches backward's next ones, from the model's
+        end, while fewer than max_live elements are gathered (`prefetched`). The positions released and
+        gathered."""
+        released = [i for i in self.layout.passing_at(index) if i in self.gathered - self.layout.held_to_backward_end]
         self.gathered -= set(released)
         self.passed.update(self.layout.passing_at(index))
         added: list[int] = []
@@ -939,7 +968,7 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     replayed as one trace, and the save's. `cpu_check`: as DeepSpeed's engine makes them on a CPU
     (tools/hybrid_check.py; `model_states`)."""
     meta = trainer.build_model(cell, device="meta").model
-    layout = Layout.of(meta, cell.gpus, counter.needs_backward)
+    layout = Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
     states = model_states(cell, layout, largest_layer_params(meta), cpu_check)
     training = training_peak(counter, states, layout)
     replayed = replayed_columns(cell, counter, states, layout, build_events(meta, cell, cpu_check), gpu)
