@@ -24,7 +24,9 @@ large one meets those limits (Llama-3.1-8B has 8 times their 1e9 parameters). `-
 ZeRO-3's optimizer `sub_group_size` (1e9 by default) to N on both sides: a small model stepped in
 sub-groups, as a rank with more than 1e9 parameters is. `--zero3-persist N` sets ZeRO-3's
 `stage3_param_persistence_threshold` (1e5 by default) to N on both sides: fewer persistent parameters,
-so that a tiny model's weights are gathered and released as a large model's are.
+so that a tiny model's weights are gathered and released as a large model's are. `--zero3-prefetch N`
+sets DeepSpeed's `stage3_prefetch_bucket_size` (5e7 by default) to N: the hybrid prefetches whole weights
+and has no such setting, so this is DeepSpeed's side alone (with every limit scaled to a large model's).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--zero3-live", type=int, help="ZeRO-3's max live parameters and max reuse distance (default 1e9)")
     parser.add_argument("--sub-group", type=int, help="ZeRO-3's optimizer sub-group size, elements (default 1e9)")
     parser.add_argument("--zero3-persist", type=int, help="ZeRO-3's param persistence threshold, elements (default 1e5)")
+    parser.add_argument("--zero3-prefetch", type=int, help="DeepSpeed's ZeRO-3 prefetch bucket, elements (default 5e7)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
@@ -61,6 +64,8 @@ def main() -> None:
             _limit_sub_groups(args.sub_group)
         if args.zero3_persist is not None:
             _limit_persistence(args.zero3_persist)
+        if args.zero3_prefetch:
+            _zero_options(stage3_prefetch_bucket_size=args.zero3_prefetch)
         print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live)))
         return
     if not args.json:
@@ -105,6 +110,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
         live = ["--zero3-live", str(args.zero3_live)] if args.zero3_live else []
         live += ["--sub-group", str(args.sub_group)] if args.sub_group else []
         live += ["--zero3-persist", str(args.zero3_persist)] if args.zero3_persist is not None else []
+        live += ["--zero3-prefetch", str(args.zero3_prefetch)] if args.zero3_prefetch else []
         children.append(subprocess.Popen([sys.executable, __file__, args.model, "--seq", str(args.seq), "--batch",
                                           str(args.batch), "--ranks", str(args.ranks), "--one", stack, *live],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env))
