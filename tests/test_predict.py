@@ -280,7 +280,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/11"
+    assert found["prediction_method"] == "hybrid/12"
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -928,6 +928,33 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     assert hybrid.ZeroBackward(states, layout, first=True).alive_bytes() == 2000  # the first step holds none
 
 
+def test_zero3_releases_a_tied_weight_after_lm_heads_backward_and_gathers_it_again() -> None:
+    """A tied embedding (position 0: the first module and the last) of 100 elements, three layers of 50.
+    After lm_head's backward, DeepSpeed's walk through backward's trace passes 150 elements before the
+    embedding's backward: with a reuse distance of 120 it releases the weight there, with 200 it keeps it.
+    On two ranks the hybrid holds it from forward (lm_head's backward comes next), releases it at
+    backward's first hook and, max_live allowing, prefetches it again as the layers are done."""
+    from bench.predict import hybrid_trace
+
+    numels, modules = (100, 50, 50, 50), [(0,), (1,), (2,), (3,), (0,)]
+    assert hybrid.released_in_backward(numels, modules, frozenset(), 120) == {0}
+    assert hybrid.released_in_backward(numels, modules, frozenset(), 200) == set()
+    assert hybrid.released_in_backward(numels, modules[:4], frozenset(), 120) == set()  # untied: nothing later
+    layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2),
+                                 released_in_backward=frozenset({0}), held_to_backward_end=frozenset({0}))
+    states = dataclasses.replace(_zero3_states(1000, ranks=2), gathers=True, max_live_elements=100)
+    engine = hybrid.ZeroBackward(states, layout)
+    assert engine.gathered == {0, 1, 2, 3}
+    engine.hook(_ready(3, 50))  # backward's first hook: the tied weight released, layer 3's too
+    assert engine.gathered == {1, 2}  # 100 elements: max_live, no prefetch
+    engine.hook(_ready(2, 50))  # 50 < 100: the prefetch gathers it again
+    assert engine.gathered == {1, 0}
+    replayed = hybrid_trace._Engine(states, layout, hybrid_trace._Trace(next_id=0), first_step=False)
+    replayed.gather(held=True)
+    replayed.hook(_ready(3, 50))  # the trace frees the tied weight's block there too
+    assert set(replayed.gathered) == {1, 2}
+
+
 def test_zero3_keeps_the_input_embedding_gathered_until_backwards_last_reduction() -> None:
     """DeepSpeed releases a module's weights once its inputs' gradients are made; the input embedding,
     fed token ids, has none, so its weight, gathered again for its backward, stays gathered through
@@ -1052,7 +1079,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/11"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/12"
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/11: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/12: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -24,7 +24,8 @@ so a ZeRO cell's memory is assembled from two sources:
   16-bit gradient partition, and ZeRO-3's gathered weights: on several ranks, those whose next use
   lies within its reuse distance, topped up to max_live by its prefetch, are held into backward and
   released there, the others gathered again for their module's backward (`beyond_reuse`,
-  `prefetched`; the input embedding's kept to backward's end: `Layout.held_to_backward_end`); and its
+  `prefetched`; the input embedding's kept to backward's end: `Layout.held_to_backward_end`; a tied one
+  released after lm_head's backward: `released_in_backward`); and its
   persistent weights (small ones: `persistent_positions`), kept gathered but for the optimizer step.
 
 Peak allocated is the more of training (`training_peak`) and the step (`hybrid_columns`). Peak reserved:
@@ -116,9 +117,16 @@ embedding, fed token ids, has none, so its weight, gathered for its backward, st
 `release_backward_leftovers`, after backward's last reduction, which is gc's peak there. hybrid/11 holds
 it so (`Layout.held_to_backward_end`, from the fake run's `fed_without_gradient`): `gc + zero3` -4,608 B,
 reserved equal; `zero3` as before (its peak is earlier in backward). On Llama-3.1-8B (untied) that weight
-is 1.05 GB, gathered on every rank through the last reduction.
+is 1.05 GB, gathered on every rank through the last reduction. A tied embedding is lm_head's weight too:
+hybrid/11 held it gathered from forward through backward, but DeepSpeed releases it after lm_head's
+backward, its next use (the embedding's backward) being beyond the reuse distance, and its prefetch
+gathers it again near backward's end (`released_in_backward`, hybrid/12; on Llama-3.2-3B, 788 MB not
+gathered through most of backward). The same 14M Llama tied, limits scaled to Llama-3.2-3B's (live and
+reuse 4M, prefetch 200,000, persistence 300), two ranks: peak allocated 4 KB under for `zero3` and
+`gc + zero3` under both (the peaks are where it is gathered); reserved -4 MiB under hybrid/11, -2 MiB
+under hybrid/12 (-0.16%).
 
-What hybrid/11 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
+What hybrid/12 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
 copies each weight out of it; the buffer lives until the last of its weights is fetched by its module.
 Where DeepSpeed peaks in forward on several ranks, those buffers are the miss (the 62M Llama on two
 ranks at seq 256: -2.4%, about 100 MB). gc's recomputation gathers a layer's weights before its
@@ -140,14 +148,14 @@ from .counter import GradientReady, MemoryCounter, Peak, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/11"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/12"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
 # 6: peak reserved from the replay of its own trace, not the fake run's caching added to peak allocated;
 # 7: ZeRO-3's persistent weights on several ranks; 8: ZeRO-3's weights kept into backward by its reuse distance;
 # 9: and topped up to max_live by its prefetch; 10: its prefetch through backward too; 11: the input
-# embedding's weight kept gathered to backward's end)
+# embedding's weight kept gathered to backward's end; 12: a tied weight released after lm_head's backward)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -167,7 +175,9 @@ class Layout:
     forward, once it has the trace of a step: it is not gathered through the rest of the step. So is
     one whose next use lies further than `stage3_max_reuse_distance` (`beyond_reuse`); backward gathers
     it again for its module. ZeRO-3's persistent parameters (`persistent_positions`) are gathered once
-    and kept: they are not among the weights held for backward and released. One whose module has no
+    and kept: they are not among the weights held for backward and released. A tied one is released
+    after its first module's backward if its next use is beyond the reuse distance
+    (`released_in_backward`), and gathered again for it. One whose module has no
     input that needs a gradient (`held_to_backward_end`: the input embedding's, fed token ids) is gathered
     for its backward and kept until backward has ended: DeepSpeed releases a module's weights when its
     inputs' gradients are made, and releases the others after backward's last reduction
@@ -180,6 +190,7 @@ class Layout:
     persistent: frozenset[int] = frozenset()  # ZeRO-3's persistent parameters' positions (`persistent_positions`)
     beyond_reuse: frozenset[int] = frozenset()  # released after forward, their next use too far (`beyond_reuse`)
     held_to_backward_end: frozenset[int] = frozenset()  # gathered for backward, kept to its end (no input gradient)
+    released_in_backward: frozenset[int] = frozenset()  # tied ones released after their first module's backward
     # QLoRA's frozen 4-bit weights as a load leaves them: (position, packed elements, bytes of the packed
     # weight and its quantization state; bench/predict/bnb.py), where any other weight holds 2 B an element
     quantized: tuple[tuple[int, int, int], ...] = ()
@@ -197,11 +208,13 @@ class Layout:
         quantized = tuple((i, *bnb.loaded_sizes(p)) for i, p in enumerate(params) if bnb.is_4bit(p))
         numels = tuple(p.numel() for p in params)
         persistent = persistent_positions(numels)
-        far = beyond_reuse(numels, module_params(model), unused | persistent, max_reuse_distance()) - unused - persistent
+        modules, distance = module_params(model), max_reuse_distance()
+        far = beyond_reuse(numels, modules, unused | persistent, distance) - unused - persistent
         kept = frozenset(range(len(numels))) - far - unused - persistent
         far -= prefetched(numels, kept, far, max_live_parameters())
         to_end = frozenset(fed_without_gradient or ()) - unused - persistent
-        return cls(numels, trained, ranks, unused, persistent, far, to_end, quantized)
+        tied = released_in_backward(numels, modules, unused | persistent, distance) - unused - persistent
+        return cls(numels, trained, ranks, unused, persistent, far, to_end, tied, quantized)
 
     @classmethod
     def all_trained(cls, numels: list[int], ranks: int = 1) -> Layout:
@@ -284,17 +297,48 @@ def beyond_reuse(numels: tuple[int, ...], modules: list[tuple[int, ...]], no_bac
     Llama-3.1-8B keeps only lm_head (525M elements) gathered into backward; Llama-3.2-3B its tied
     embedding and most of its last layer. Modules stand in for the trace at their registration order,
     and gc's recomputation in backward is not among them."""
-    backward = [m for m in reversed(modules) if not set(m) <= no_backward]
+    backward = _backward_order(modules, no_backward)
     trace = [*modules, *backward]
     kept: set[int] = set()
     for k, module in enumerate(modules):
-        traversed = 0
-        for later in trace[k + 1:]:
-            if traversed >= distance:
-                break
-            kept.update(set(module) & set(later))
-            traversed += sum(numels[i] for i in later)
+        kept.update(set(module) & _met_within(numels, trace[k + 1:], distance))
     return frozenset(range(len(numels))) - kept
+
+
+def released_in_backward(numels: tuple[int, ...], modules: list[tuple[int, ...]], no_backward: frozenset[int],
+                         distance: int) -> frozenset[int]:
+    """The tied weights ZeRO-3 releases after their first module's backward (a tied embedding, after
+    lm_head's), on several ranks: their next use (the input embedding's backward) lies beyond the reuse
+    distance, by the same walk as `beyond_reuse` through backward's trace; backward gathers them again
+    for it. (An untied weight has no later use in the step: released after its module's backward, which
+    the hybrid places at its gradient's hook.) A 14M Llama of 16 layers with tied embeddings, on two
+    ranks, limits scaled to Llama-3.2-3B's: DeepSpeed held its embedding through lm_head's backward,
+    released it, and its prefetch gathered it again five layers before the end."""
+    backward = _backward_order(modules, no_backward)
+    out: set[int] = set()
+    for k, module in enumerate(backward):
+        later = backward[k + 1:]
+        tied = {i for i in module if any(i in other for other in later)} - out
+        out |= tied - _met_within(numels, later, distance)
+    return frozenset(out)
+
+
+def _backward_order(modules: list[tuple[int, ...]], no_backward: frozenset[int]) -> list[tuple[int, ...]]:
+    """The modules as backward runs them: in reverse, without those it does not run."""
+    return [m for m in reversed(modules) if not set(m) <= no_backward]
+
+
+def _met_within(numels: tuple[int, ...], trace: list[tuple[int, ...]], distance: int) -> set[int]:
+    """The positions DeepSpeed's walk meets in `trace`: module by module, until the elements it has
+    passed reach `distance` (a module's weights counted once met)."""
+    met: set[int] = set()
+    traversed = 0
+    for module in trace:
+        if traversed >= distance:
+            break
+        met.update(module)
+        traversed += sum(numels[i] for i in module)
+    return met
 
 
 def prefetched(numels: tuple[int, ...], kept: frozenset[int], released: frozenset[int], max_live: int) -> frozenset[int]:
@@ -744,7 +788,8 @@ class ZeroBackward:
       ZeRO-3 holds it from initialize on;
     - ZeRO-3's gathered weights (`ModelStates.gathered_bytes` at backward's start): each is released
       after its module's backward, here at its gradient's hook (a frozen one's: `Layout.passing_at`),
-      but for those held to backward's end (`gather_held_to_end`);
+      but for those held to backward's end (`gather_held_to_end`); a tied one whose next use is far,
+      after its first module's backward, here at backward's first hook (`release_tied`);
       then, after the first step, its prefetch gathers backward's next weights while fewer than max_live
       elements are (`pass_module`); a weight not gathered is gathered at its hook (`regathered_bytes`);
     - each gradient autograd makes is copied into the bucket by its hook, and freed: alive until its
@@ -778,6 +823,7 @@ class ZeroBackward:
         """A gradient is ready: the most bytes the engine holds in its hook, the gradient's included (and
         the weights backward gathered again for its module: `regathered_bytes`)."""
         self.bucket_bytes = self.states.bucket_bytes
+        self.release_tied()
         self.gather_held_to_end(gradient)
         most, regathered = 0, self.regathered_bytes(gradient)
         if self.overflows(gradient):
@@ -786,6 +832,15 @@ class ZeroBackward:
         self.filled.append(gradient)
         self.pass_module(gradient.index)
         return most
+
+    def release_tied(self) -> list[int]:
+        """At backward's first hook (lm_head's backward done): ZeRO-3's tied weights released there
+        (`Layout.released_in_backward`), if gathered: their positions."""
+        if self.passed:
+            return []
+        released = sorted(self.layout.released_in_backward & self.gathered)
+        self.gathered -= set(released)
+        return released
 
     def gather_held_to_end(self, gradient: GradientReady) -> list[int]:
         """ZeRO-3's weights of this gradient's module that it keeps gathered until backward has ended

@@ -275,6 +275,8 @@ class _Engine:
             self.backward = ZeroBackward(self.states, self.layout, first=self.first_step)
         if self.bucket is None:
             self.bucket = self.trace.malloc(self.states.bucket_bytes)
+        for position in self.backward.release_tied():
+            self.trace.free(self.gathered.pop(position))
         for position in self.backward.gather_held_to_end(gradient):
             self.gathered[position] = self.trace.malloc(2 * self.layout.numels[position], self.stream(ALLGATHER_STREAM))
         regathered = self.trace.malloc(self.backward.regathered_bytes(gradient), self.stream(ALLGATHER_STREAM))
