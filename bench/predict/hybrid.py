@@ -122,9 +122,9 @@ hybrid/11 held it gathered from forward through backward, but DeepSpeed releases
 backward, its next use (the embedding's backward) being beyond the reuse distance, and its prefetch
 gathers it again near backward's end (`released_in_backward`, hybrid/12; on Llama-3.2-3B, 788 MB not
 gathered through most of backward). The same 14M Llama tied, limits scaled to Llama-3.2-3B's (live and
-reuse 4M, prefetch 200,000, persistence 300), two ranks: peak allocated 4 KB under for `zero3` and
-`gc + zero3` under both (the peaks are where it is gathered); reserved -4 MiB under hybrid/11, -2 MiB
-under hybrid/12 (-0.16%).
+reuse 4M, prefetch 200,000, persistence 300), two ranks: peak allocated 4 KB under DeepSpeed's for
+`zero3` and `gc + zero3` under both versions (their peaks fall where it is gathered anyway); reserved
+-4 MiB under hybrid/11, -2 MiB under hybrid/12 (-0.16%).
 
 What hybrid/12 still misses: the prefetch gathers its weights into one flat all-gather buffer, then
 copies each weight out of it; the buffer lives until the last of its weights is fetched by its module.
@@ -177,11 +177,10 @@ class Layout:
     it again for its module. ZeRO-3's persistent parameters (`persistent_positions`) are gathered once
     and kept: they are not among the weights held for backward and released. A tied one is released
     after its first module's backward if its next use is beyond the reuse distance
-    (`released_in_backward`), and gathered again for it. One whose module has no
-    input that needs a gradient (`held_to_backward_end`: the input embedding's, fed token ids) is gathered
-    for its backward and kept until backward has ended: DeepSpeed releases a module's weights when its
-    inputs' gradients are made, and releases the others after backward's last reduction
-    (`release_backward_leftovers`)."""
+    (`released_in_backward`), and gathered again for it. One whose module has no input that needs a
+    gradient (`held_to_backward_end`: the input embedding's, fed token ids) is gathered for its backward
+    and kept until backward has ended: DeepSpeed releases a module's weights when its inputs' gradients
+    are made, and releases the others after backward's last reduction (`release_backward_leftovers`)."""
 
     numels: tuple[int, ...]
     trained: tuple[int, ...]  # the trained parameters' positions in `numels`, in order
