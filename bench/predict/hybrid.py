@@ -347,7 +347,9 @@ def prefetched(numels: tuple[int, ...], kept: frozenset[int], released: frozense
     (1e9) are gathered (`kept` ones, held by the reuse distance, among them; persistent ones not), and
     at forward's end those ahead are backward's first. So what is held into backward is topped up to
     max_live from the model's end, whole weights (a 14M Llama of 16 layers on two ranks, every limit
-    scaled to 8B's, held 1.79M elements at its peak: lm_head and its last layer, to 1.73M)."""
+    scaled to 8B's, held 1.79M elements at its peak: lm_head and its last layer, to 1.73M). Through
+    backward the same rule tops up what is gathered as each module is done (`ZeroBackward.pass_module`:
+    `kept` the weights gathered then, `released` the ones ahead)."""
     held = sum(numels[i] for i in kept)
     out = []
     for position in sorted(released, reverse=True):
@@ -869,13 +871,9 @@ class ZeroBackward:
         self.passed.update(self.layout.passing_at(index))
         added: list[int] = []
         if self.states.gathers and not self.first:
-            held = sum(self.layout.numels[i] for i in self.gathered)
-            ahead = self.layout.held_positions | self.layout.beyond_reuse
-            for position in sorted(ahead - self.passed - self.gathered, reverse=True):
-                if held >= self.states.max_live_elements:
-                    break
-                added.append(position)
-                held += self.layout.numels[position]
+            ahead = (self.layout.held_positions | self.layout.beyond_reuse) - self.passed - self.gathered
+            added = sorted(prefetched(self.layout.numels, frozenset(self.gathered), ahead,
+                                      self.states.max_live_elements), reverse=True)
             self.gathered.update(added)
         return released, added
 
