@@ -615,12 +615,15 @@ def test_zero3_gathers_as_deepspeed_does_with_its_limits_scaled_to_llama_8bs() -
     kept gathered into backward (lm_head, by the reuse distance, topped up by the prefetch), the prefetch
     through backward, and the embedding gathered to backward's last reduction, gc's peak. Peak allocated
     less the bucket and peak reserved within 0.5% (4 KB under; `gc + zero3` was -1.25% before hybrid/11,
-    `zero3` -0.63% under hybrid/8)."""
+    `zero3` -0.63% under hybrid/8). And what DeepSpeed holds gathered at its peak (`--gathers`: rank 0,
+    the last step) is what the hybrid counts there: at `zero3`'s (the logits' backward) lm_head and more,
+    topped up to max live by its prefetch; at gc's (the last reduction) the input embedding alone; and
+    at neither a flat all-gather buffer of its prefetch in flight (which the hybrid does not count)."""
     pytest.importorskip("deepspeed")
     done = subprocess.run([sys.executable, str(REPO / "tools" / "hybrid_check.py"),
                            str(REPO / "tests" / "configs" / "llama-16-layers.json"), "--seq", "256", "--batch", "2",
                            "--ranks", "2", "--stacks", "zero3,gc + zero3", "--zero3-live", "1730000",
-                           "--zero3-prefetch", "86600", "--zero3-persist", "300", "--json"],
+                           "--zero3-prefetch", "86600", "--zero3-persist", "300", "--gathers", "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=570)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.strip().splitlines()]
@@ -629,6 +632,10 @@ def test_zero3_gathers_as_deepspeed_does_with_its_limits_scaled_to_llama_8bs() -
         error = (r["hybrid_bytes"] - r["bucket_bytes"]) / (r["real_bytes"] - r["bucket_bytes"]) - 1
         assert abs(error) < 0.005, (r["stack"], error)
         assert r["hybrid_reserved_bytes"] == pytest.approx(r["real_reserved_bytes"], rel=0.005), r["stack"]
+        assert r["gathers"]["buffers"] == [], r["gathers"]
+    zero3, gc = (r["gathers"] for r in rows)
+    assert zero3["elements"] >= 1_730_000 and "lm_head.weight" in zero3["weights"], zero3
+    assert (gc["elements"], gc["weights"]) == (1_048_576, ["model.embed_tokens.weight"]), gc
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ sub-groups, as a rank with more than 1e9 parameters is. `--zero3-persist N` sets
 so that a tiny model's weights are gathered and released as a large model's are. `--zero3-prefetch N`
 sets DeepSpeed's `stage3_prefetch_bucket_size` (5e7 by default) to N: the hybrid prefetches whole weights
 and has no such setting, so this is DeepSpeed's side alone (with every limit scaled to a large model's).
+`--gathers` says, for ZeRO-3, what DeepSpeed holds gathered at its peak in the last step (rank 0): the
+weights whole (their elements), and the flat all-gather buffers of its prefetch still in flight (each
+one's bytes, and whether the weights were copied out of it yet): what the hybrid is checked against.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main() -> None:
     parser.add_argument("--sub-group", type=int, help="ZeRO-3's optimizer sub-group size, elements (default 1e9)")
     parser.add_argument("--zero3-persist", type=int, help="ZeRO-3's param persistence threshold, elements (default 1e5)")
     parser.add_argument("--zero3-prefetch", type=int, help="DeepSpeed's ZeRO-3 prefetch bucket, elements (default 5e7)")
+    parser.add_argument("--gathers", action="store_true", help="ZeRO-3: what DeepSpeed holds gathered at its peak")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one stack, one JSON line out
     args = parser.parse_args()
     if args.one:
@@ -66,7 +70,7 @@ def main() -> None:
             _limit_persistence(args.zero3_persist)
         if args.zero3_prefetch:
             _zero_options(stage3_prefetch_bucket_size=args.zero3_prefetch)
-        print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live)))
+        print(json.dumps(_compare(args.model, args.seq, args.batch, args.one, args.ranks, args.zero3_live, args.gathers)))
         return
     if not args.json:
         print(f"{args.model}, seq {args.seq}, batch {args.batch}, {args.ranks} rank(s) on this CPU; peak allocated, GiB")
@@ -84,13 +88,22 @@ def main() -> None:
         if args.json:
             print(json.dumps({"stack": stack, "ranks": args.ranks, "real_bytes": real, "hybrid_bytes": hybrid,
                               "bucket_bytes": bucket, "real_reserved_bytes": real_reserved,
-                              "hybrid_reserved_bytes": hybrid_reserved}))
+                              "hybrid_reserved_bytes": hybrid_reserved, "gathers": rows[0].get("gathers")}))
             continue
         reserved = (f"{real_reserved / GIB:.3f} | {hybrid_reserved / GIB:.3f} | {hybrid_reserved / real_reserved - 1:+.1%}"
                     if real_reserved and hybrid_reserved else "n/a | n/a | n/a")
         print(f"| `{stack}` | {real / GIB:.3f} | {hybrid / GIB:.3f} | {hybrid / real - 1:+.1%} | "
               f"{(real - bucket) / GIB:.3f} | {(hybrid - bucket) / GIB:.3f} | {(hybrid - bucket) / (real - bucket) - 1:+.1%} | "
               f"{top['real_where']}, {rows[0]['hybrid_where']} | {reserved} |")
+        if rows[0].get("gathers"):
+            print(f"|   | {_gathers_text(rows[0]['gathers'])} |")
+
+
+def _gathers_text(gathers: dict[str, Any]) -> str:
+    buffers = ", ".join(f"{b['bytes']:,} B ({'copied out' if b['waited'] else 'not waited for'})"
+                        for b in gathers["buffers"]) or "none"
+    return (f"DeepSpeed at its peak (rank 0, {gathers['where']}, {gathers['op']}): {gathers['elements']:,} elements "
+            f"gathered in {len(gathers['weights'])} weights; prefetch buffers in flight: {buffers}")
 
 
 def stack_list(text: str) -> list[str]:
@@ -111,6 +124,7 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
         live += ["--sub-group", str(args.sub_group)] if args.sub_group else []
         live += ["--zero3-persist", str(args.zero3_persist)] if args.zero3_persist is not None else []
         live += ["--zero3-prefetch", str(args.zero3_prefetch)] if args.zero3_prefetch else []
+        live += ["--gathers"] if args.gathers else []
         children.append(subprocess.Popen([sys.executable, __file__, args.model, "--seq", str(args.seq), "--batch",
                                           str(args.batch), "--ranks", str(args.ranks), "--one", stack, *live],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env))
@@ -123,7 +137,8 @@ def _ranks(args: argparse.Namespace, stack: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_live: int | None) -> dict[str, Any]:
+def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_live: int | None,
+             gathers: bool = False) -> dict[str, Any]:
     from bench import distributed, models, spec, trainer
     from bench.cells import make_cell
     from bench.predict import allocator, fake, hybrid
@@ -139,8 +154,12 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
     cell = replace(cell, gpus=ranks)
     if zero3_live:
         _limit_zero3(zero3_live)
-    with MemoryCounter() as counter:
+    probe = gathers and "zero3" in cell.stack.names
+    counter: Any = _probing_counter("step2") if probe else MemoryCounter()
+    with counter:
         job = trainer.build(cell)
+        if probe:
+            counter.snapshot = lambda: _gathered(job.engine)
         for index, step_batch in enumerate(job.batches()[:3]):
             job.step(step_batch, counter, f"step{index}")
     steps, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())  # the plain engine: one rank
@@ -154,7 +173,43 @@ def _compare(model: str, seq: int, batch: int, stack: str, ranks: int, zero3_liv
             "real_phase_peaks": dict(counter.phase_peaks), "real_phase_ends": dict(counter.phase_ends),
             "hybrid_bytes": int(predicted["peak_allocated_gib"] * GIB), "bucket_bytes": int(predicted["buckets_gib"] * GIB),
             "hybrid_where": predicted["peak_phase"], "real_reserved_bytes": real_reserved,
+            "gathers": getattr(counter, "at_peak", None),
             "hybrid_reserved_bytes": int(predicted["peak_reserved_gib"] * GIB)}
+
+
+def _probing_counter(stage: str) -> Any:
+    """A MemoryCounter that, at each new peak of `stage`, keeps what its `snapshot` says (`at_peak`)."""
+    from bench.predict.counter import MemoryCounter
+
+    class Probing(MemoryCounter):
+        snapshot: Any = None
+        at_peak: dict[str, Any] | None = None
+        _most = 0
+
+        def _count(self, index: int) -> None:
+            super()._count(index)
+            if self.snapshot is not None and self.where.startswith(f"{stage}/") and self.live_bytes > self._most:
+                self._most = self.live_bytes
+                self.at_peak = {**self.snapshot(), "where": self.where, "op": self.records[index].op}
+    return Probing()
+
+
+def _gathered(engine: Any) -> dict[str, Any]:
+    """What ZeRO-3 holds gathered now: its weights whole (not the persistent ones), and the flat buffers
+    of its all-gathers still in flight (a coalesced gather's: its weights are copied out of it when the
+    first is waited for; it lives until the last is)."""
+    module = engine.model.module
+    weights = [(name, p.ds_numel) for name, p in module.named_parameters()
+               if p.data.numel() > 0 and not getattr(p, "ds_persist", False)]
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    buffers = {}
+    for handle in set(coordinator._PartitionedParameterCoordinator__inflight_param_registry.values()):
+        for gather in getattr(handle, "handles", [handle]):  # MultipleAllGatherHandles: one per dtype
+            if getattr(gather, "partitions", None):  # a coalesced gather's views of its flat buffer
+                storage = gather.partitions[0].untyped_storage()
+                buffers[storage.data_ptr()] = {"bytes": storage.nbytes(), "waited": gather.complete}
+    return {"elements": sum(n for _, n in weights), "weights": [name for name, _ in weights],
+            "buffers": list(buffers.values())}
 
 
 def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
