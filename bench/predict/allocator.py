@@ -22,7 +22,7 @@ in torch 2.9 to 2.13 (the rules below have not changed across those versions), d
   published H100 cells agree: their 56 llama3b cells replayed with this placement have peak reserved
   within 0.009% of the GPU's (median; 5 over 1%), with ascending addresses 0.054% (9 over 1%), though
   `gc + adamw8bit` at s2048 b2 takes a cached 1 GB block under this one (-3.97%) that it does not under
-  ascending addresses (-0.09%) (torch 2.11.0, transformers 5.17.0, 2026-11-27);
+  ascending addresses (-0.09%) (`tools/placement_check.py llama3b`; torch 2.11.0, transformers 5.17.0);
 - none: a new segment, 2 MiB for a small request, 20 MiB for one under 10 MiB, else the request
   rounded up to 2 MiB;
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large pool);
