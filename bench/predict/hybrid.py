@@ -132,9 +132,9 @@ Where DeepSpeed peaks in forward on several ranks, those buffers are the miss (t
 ranks at seq 256: -2.4%; at its peak, in layer 3's MLP, one 101 MB buffer is alive beside the weights
 copied out of it, and a 22.5 MB one not waited for yet). With the limits scaled to a large model's
 (the 14M Llama at 8B's, its tied variant at 3B's; `zero3` and `gc + zero3`, two ranks) no such
-buffer is alive at DeepSpeed's peak (a probe of its in-flight gathers, 2026-11-27). gc's
-recomputation gathers a layer's weights before its gradients' hooks; the hybrid gathers one its
-prefetch has not only at its hook (no check has shown a miss from it: after the first step the
+buffer is alive at DeepSpeed's peak (`tools/hybrid_check.py --gathers`; the 8B-scaled test asserts
+it). gc's recomputation gathers a layer's weights before its gradients' hooks; the hybrid gathers one
+its prefetch has not only at its hook (no check has shown a miss from it: after the first step the
 prefetch is ahead).
 """
 from __future__ import annotations
