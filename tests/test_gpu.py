@@ -131,6 +131,18 @@ def test_the_allocator_model_reserves_exactly_what_cudas_caching_allocator_reser
     assert allocator.replay(measured["events"], settings=settings).peak_reserved_bytes == measured["peak_reserved"]
 
 
+@pytest.mark.parametrize("streams", [1, 3])
+def test_the_allocator_model_maps_what_cudas_expandable_segments_map(streams: int) -> None:
+    """The random trace under expandable_segments:True: each stream's pool one range, mapped in pages as
+    requests need them (on an H200, 2026-11-27, one stream: the model's peak to the byte once it kept the
+    free block at the mapped end for last)."""
+    from bench.predict import allocator
+
+    measured = _allocator_trace(streams, "expandable_segments:True")
+    state = allocator.replay(measured["events"], settings=allocator.Settings(expandable=True))
+    assert state.peak_reserved_bytes == measured["peak_reserved"]
+
+
 @pytest.mark.parametrize("max_split_mb", [None, 128])
 def test_under_a_memory_fraction_the_garbage_collection_threshold_releases_what_the_model_releases(
         max_split_mb: int | None) -> None:

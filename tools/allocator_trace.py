@@ -7,8 +7,9 @@ torch.cuda.memory._record_memory_history, every block and segment as the allocat
 PYTORCH_CUDA_ALLOC_CONF is read from the environment, as torch reads it. `--capacity-gib` sets the memory
 fraction that leaves torch that much of this GPU (as `bench fit` emulates a smaller card; only under a
 fraction does garbage_collection_threshold act). The file holds the allocator's
-settings, the GPU, the versions, and its device trace: [action, address, bytes, stream] for every
-alloc, free_completed, segment_alloc and segment_free, in order. tests/test_allocator.py replays such
+settings, the GPU, the versions, the peak reserved, and its device trace: [action, address, bytes, stream]
+for every alloc, free_completed, segment_alloc and segment_free (segment_map and segment_unmap with
+expandable segments), in order. tests/test_allocator.py replays such
 traces through bench/predict/allocator.py on any CPU, segment by segment.
 """
 
@@ -24,7 +25,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests")]
 
-KEPT = ("alloc", "free_completed", "segment_alloc", "segment_free")
+KEPT = ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap")  # the last two: expandable
 SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size", "garbage_collection_threshold", "expandable_segments")
 
 
@@ -44,6 +45,7 @@ def main() -> None:
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "streams": args.streams, "fraction": fraction, "capacity_gib": args.capacity_gib,
               "allocator_settings": {k: snapshot["allocator_settings"].get(k) for k in SETTINGS},
+              "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
               "device_trace": [[e["action"], e["addr"], e["size"], e["stream"]]
                                for e in snapshot["device_traces"][0] if e["action"] in KEPT]}
     with gzip.open(args.out, "wt") as handle:
