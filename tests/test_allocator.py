@@ -69,24 +69,8 @@ def _gpu_record(name: str) -> dict[str, Any]:
 def _gpu_trace(name: str) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]], int]:
     """NAME's allocations and frees as replay events, the (address, size) of each segment CUDA's allocator
     made, in order, and its peak reserved."""
-    record = _gpu_record(name)
-    events: list[tuple[Any, ...]] = []
-    live: dict[int, int] = {}  # address -> the id of the block there
-    streams: dict[int, int] = {}
-    segments, reserved, peak = [], 0, 0
-    for action, address, nbytes, stream in record["device_trace"]:
-        if action == "segment_alloc":
-            segments.append((address, nbytes))
-            reserved += nbytes
-            peak = max(peak, reserved)
-        elif action == "segment_free":
-            reserved -= nbytes
-        elif action == "alloc":
-            live[address] = len(events)
-            events.append(("malloc", len(events), nbytes, streams.setdefault(stream, len(streams))))
-        elif action == "free_completed":  # segment_map and segment_unmap (expandable) are not replay events
-            events.append(("free", live.pop(address), nbytes, streams[stream]))
-    return events, segments, peak
+    found = allocator.from_device_trace(_gpu_record(name)["device_trace"])
+    return list(found.events), [(address, size) for _, address, size in found.made], found.peak_reserved_bytes
 
 
 @pytest.mark.parametrize(("name", "max_split_mib"), [("random-walk-1-stream", None), ("random-walk-3-streams", None),
@@ -117,18 +101,16 @@ def test_the_model_releases_what_cudas_garbage_collection_released_on_an_h200(na
     max_split_size_mb:128, 365 and 409). Replayed: the same peak, and at the walk's end the same segments
     held. Without the release of a free block older than the average age, the peak would be the
     capacity, 7 GiB."""
-    record = _gpu_record(name)
-    events, segments, peak = _gpu_trace(name)
-    released = [(address, size) for action, address, size, _ in record["device_trace"] if action == "segment_free"]
-    assert released, "the walk should make the collection release segments"
-    held = list(segments)
-    for segment in released:  # a segment released and made again at its address is the older one
+    found = allocator.from_device_trace(_gpu_record(name)["device_trace"])
+    assert found.released, "the walk should make the collection release segments"
+    held = [(address, size) for _, address, size in found.made]
+    for segment in found.released:  # a segment released and made again at its address is the older one
         held.remove(segment)
     max_split = None if max_split_mib is None else max_split_mib * MIB
     settings = allocator.Settings(max_split_bytes=max_split, gc_threshold=0.5)
-    state = allocator.replay(events, capacity_bytes=7 * 2**30, settings=settings, fraction=True)
+    state = allocator.replay(found.events, capacity_bytes=7 * 2**30, settings=settings, fraction=True)
     assert isinstance(state, allocator.Replay)
-    assert state.oom_at is None and state.peak_reserved_bytes == peak
+    assert state.oom_at is None and state.peak_reserved_bytes == found.peak_reserved_bytes
     assert sorted(state.segments.values()) == sorted(size for _, size in held)
 
 

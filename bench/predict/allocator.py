@@ -447,6 +447,45 @@ def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[st
     return [(kind, ident, nbytes, stream) for _, _, kind, ident, nbytes, stream in sorted(events)]
 
 
+@dataclass(frozen=True)
+class DeviceTrace:
+    """CUDA's own record of what its allocator did (torch.cuda.memory._snapshot()["device_traces"], kept as
+    [action, address, bytes, stream] rows by tools/allocator_trace.py and tools/cell_trace.py)."""
+
+    events: list[tuple[str, int, int, int]]  # its allocations and frees, as `replay` takes them
+    made: list[tuple[int, int, int]]  # each segment made (or pages mapped): (the event it was made for, address, bytes)
+    released: list[tuple[int, int]]  # each segment released (or pages unmapped): (address, bytes)
+    peak_reserved_bytes: int
+
+
+def from_device_trace(rows: Iterable[list[Any]]) -> DeviceTrace:
+    """Reads a device trace from the allocator's start; streams numbered 0, 1, ... as they appear. A free of
+    a block the trace never allocated means it lost its start (the recorder's ring buffer was too short)."""
+    events: list[tuple[str, int, int, int]] = []
+    made: list[tuple[int, int, int]] = []
+    released: list[tuple[int, int]] = []
+    live: dict[int, int] = {}  # address -> the event that allocated the block there
+    streams: dict[int, int] = {}
+    reserved = peak = 0
+    for action, address, nbytes, stream in rows:
+        if action in ("segment_alloc", "segment_map"):
+            made.append((len(events), address, nbytes))
+            reserved += nbytes
+            peak = max(peak, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            released.append((address, nbytes))
+            reserved -= nbytes
+        elif action == "alloc":
+            live[address] = len(events)
+            events.append(("malloc", len(events), nbytes, streams.setdefault(stream, len(streams))))
+        elif action == "free_completed":
+            if address not in live:
+                raise ValueError(f"the device trace frees {nbytes} B at {address:#x} it never allocated: it "
+                                 "does not start at the allocator's start")
+            events.append(("free", live.pop(address), nbytes, streams[stream]))
+    return DeviceTrace(events, made, released, peak)
+
+
 def positions(records: list[Any], event_counts: list[int], releases: Iterable[int] = ()) -> list[int]:
     """For each event count of the counter (e.g. where a step ended), how many trace events precede it."""
     made = sorted(r.made for r in records if r.made >= 0 and r.freed != r.made)

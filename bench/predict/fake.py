@@ -48,7 +48,7 @@ from typing import Any
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
 from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, lowrank, save
-from .counter import KernelScratch, MemoryCounter, Workspaces, all_scratch, no_scratch
+from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
 
@@ -110,6 +110,17 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         return {"status": "error", "error": "\n".join(text.strip().splitlines()[-12:])}
     return {"status": "ok", **found, "predict_s": time.perf_counter() - start}
+
+
+def trace_of(cell: Cell, gpu: GpuKind) -> tuple[list[tuple[str, int, int, int]], list[Record]]:
+    """The fake run's allocations and frees as the allocator model replays them, and the counter's records
+    (where and by which op each block was made): to set beside a GPU's own (tools/cell_trace.py). Cells the
+    fake run predicts whole (not the ZeRO hybrid)."""
+    if unsupported_reason(cell) or hybrid.is_hybrid(cell):
+        raise ValueError(f"{cell.cell_id}: not a cell the fake run predicts whole")
+    with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
+        counter, _, _ = counted_for(cell, gpu)
+    return allocator.trace(counter.records, counter.releases), counter.records
 
 
 def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""tools/cell_trace.py's comparison of a recorded cell with the model and the fake run, on a device trace
+written from the fake run's own requests and the model's segments (what CUDA would record were the
+prediction exact), then changed where the GPU would differ."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tools")]
+
+import cell_trace  # noqa: E402
+
+from bench import spec  # noqa: E402
+from bench.cells import make_cell  # noqa: E402
+from bench.predict import fake, gpus  # noqa: E402
+from bench.stacks import parse_stack  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cell_and_trace() -> tuple[Any, list[tuple[Any, ...]]]:
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cuda", "tiny-llama", 256, 2, parse_stack("baseline"))
+    events, _ = fake.trace_of(cell, gpus.get("h100"))
+    return cell, events
+
+
+def _device_rows(events: list[tuple[Any, ...]], extra_at: int | None = None, extra_bytes: int = 0) -> list[list[Any]]:
+    """The events as CUDA's recorder keeps them, each segment the model makes before the request it is made
+    for; `extra_at`: one more request (and a segment of its own) before that event, never freed."""
+    made = dict(cell_trace.segments_made(events))
+    rows: list[list[Any]] = []
+    for index, (kind, ident, nbytes, stream) in enumerate(events):
+        if index == extra_at:
+            rows += [["segment_alloc", 1 << 44, extra_bytes, 0], ["alloc", 1 << 44, extra_bytes, 0]]
+        if index in made:
+            rows.append(["segment_alloc", (1 << 40) + index * (1 << 24), made[index], stream])
+        if kind in ("malloc", "free") and nbytes:
+            rows.append(["alloc" if kind == "malloc" else "free_completed", (1 << 32) + ident * 512, nbytes, stream])
+    return rows
+
+
+def test_the_fake_runs_own_trace_compares_equal(cell_and_trace: tuple[Any, list[tuple[Any, ...]]]) -> None:
+    cell, events = cell_and_trace
+    found = cell_trace.comparison({"device_trace": _device_rows(events)}, cell, "h100")
+    assert found["model_peak_bytes"] == found["trace_peak_bytes"] > 0
+    assert found["parting"] is None and found["segments"] == {}
+
+
+def test_a_request_the_fake_run_lacks_is_found_with_its_segment(
+        cell_and_trace: tuple[Any, list[tuple[Any, ...]]]) -> None:
+    cell, events = cell_and_trace
+    large = [i for i, e in enumerate(events) if e[0] == "malloc" and e[2] > cell_trace.MIB]
+    extra = 300 * cell_trace.MIB
+    found = cell_trace.comparison({"device_trace": _device_rows(events, large[5], extra)}, cell, "h100")
+    assert found["parting"] == 5  # the sixth large request is the GPU's extra one
+    assert found["segments"] == {extra: (["1/1 of 314,572,800 B"], [])}
+    assert found["model_peak_bytes"] == found["trace_peak_bytes"]  # the model makes the same segments from it

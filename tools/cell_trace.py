@@ -1,0 +1,195 @@
+"""One cell's allocations as CUDA's caching allocator made them, beside the prediction's.
+
+    python tools/cell_trace.py record MATRIX CELL_ID OUT.json.gz      # on a GPU
+    python tools/cell_trace.py compare MATRIX OUT.json.gz [--gpu h100]  # on any CPU
+
+`record` runs the cell as a worker does (bench/worker.py: build, warm-up and measured steps) under
+torch.cuda.memory._record_memory_history and keeps the allocator's device trace, [action, address, bytes,
+stream] for every allocation, free and segment (tools/allocator_trace.py's rows), with the row's peaks
+and `segments_json`. A few MB gzipped for a 3B model's 13 steps.
+
+`compare` says where a predicted peak reserved that misses the GPU's goes wrong:
+1. the allocator model: the GPU's own requests replayed through bench/predict/allocator.py. The same
+   peak and segments mean the model's rules hold for this cell, and the miss is in the fake run's trace;
+2. the trace: the fake run's requests beside the GPU's, large ones (over 1 MiB) in order from the
+   start, where they first part (the fake run's ops around it); and, for each segment size the two
+   hold a different number of, which of that size's requests made one on the GPU and in the replay
+   of the fake run (the fake run stops after its first measured step; the GPU runs every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+MIB = 1 << 20
+ENTRIES = 5_000_000  # the recorder's ring buffer: far more than a 13-step cell makes (about 300,000)
+
+
+def refuse(why: str) -> NoReturn:
+    """Bad input: says why, exit 2, nothing run."""
+    print(f"cell_trace: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
+def find_cell(matrix_name: str, cell_id: str) -> Any:
+    """The matrix's cell of that id, as a GPU host plans it."""
+    from bench import cells, spec
+    from bench.envinfo import OPTIONAL_PACKAGES, HostCaps
+
+    try:
+        matrix = spec.get(REPO / "matrix.yaml", matrix_name)
+    except spec.SpecError as err:
+        refuse(str(err))
+    for cell in cells.expand(matrix, HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))):
+        if cell.cell_id == cell_id:
+            return cell
+    refuse(f"matrix {matrix_name} has no cell {cell_id}")
+
+
+def record(matrix_name: str, cell_id: str, out: Path) -> None:
+    import torch
+    from allocator_trace import KEPT
+
+    from bench import worker
+
+    if not torch.cuda.is_available():
+        refuse("record needs a GPU")
+    cell = find_cell(matrix_name, cell_id)
+    if cell.gpus > 1:
+        refuse(f"{cell_id} runs on {cell.gpus} GPUs; record takes one-GPU cells")
+    os.environ.update(cell.stack.env)  # the allocator's settings, say: read when CUDA first allocates, below
+    torch.cuda.memory._record_memory_history(context=None, max_entries=ENTRIES)  # no stacks: fast
+    row = worker.run_cell(cell)
+    rows = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    kept = [[e["action"], e["addr"], e["size"], e["stream"]] for e in rows if e["action"] in KEPT]
+    found = {"matrix": matrix_name, "cell_id": cell_id, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "cuda": torch.version.cuda, "entries": len(rows), "max_entries": ENTRIES,
+             **{k: row.get(k) for k in ("status", "peak_allocated_gib", "peak_reserved_gib", "segments_json")},
+             "device_trace": kept}
+    with gzip.open(out, "wt") as handle:
+        json.dump(found, handle, separators=(",", ":"))
+    print(f"{cell_id}: {row.get('status')}, peak reserved {row.get('peak_reserved_gib')} GiB, "
+          f"{len(kept)} trace rows of {len(rows)} entries -> {out}")
+
+
+def segments_made(events: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
+    """Replays the events through the model: (the event made for, bytes) of each segment it makes."""
+    from bench.predict import allocator
+
+    state = allocator.Replay()
+    live: dict[int, allocator.Block] = {}
+    made: list[tuple[int, int]] = []
+    for index, (kind, ident, nbytes, stream) in enumerate(events):
+        if kind == "release":
+            state.release()
+        elif nbytes == 0:  # as allocator.replay: no block
+            continue
+        elif kind == "free":
+            state.free(live.pop(ident))
+        elif kind == "malloc":
+            before = state.reserved_bytes
+            block = state.malloc(nbytes, stream)
+            assert block is not None  # no capacity: never an OOM
+            live[ident] = block
+            if state.reserved_bytes > before:
+                made.append((index, state.reserved_bytes - before))
+    return made
+
+
+def who_made(events: list[tuple[Any, ...]], made: list[tuple[int, int]]) -> dict[int, list[str]]:
+    """Per segment size: "k/n" for each segment made for the k-th request of its size (of n)."""
+    ordinal: dict[int, int] = {}
+    nth = {}
+    for index, (kind, _, nbytes, _) in enumerate(events):
+        if kind == "malloc":
+            ordinal[nbytes] = ordinal.get(nbytes, 0) + 1
+            nth[index] = ordinal[nbytes]
+    found: dict[int, list[str]] = {}
+    for index, size in made:
+        nbytes = events[index][2]
+        found.setdefault(size, []).append(f"{nth[index]}/{ordinal[nbytes]} of {nbytes:,} B")
+    return found
+
+
+def first_parting(gpu: list[tuple[Any, ...]], fake: list[tuple[Any, ...]]) -> int | None:
+    """The index of the first large request (over 1 MiB) where the two traces differ; None: none within both."""
+    theirs = [e[2] for e in gpu if e[0] == "malloc" and e[2] > MIB]
+    ours = [e[2] for e in fake if e[0] == "malloc" and e[2] > MIB]
+    return next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), None)
+
+
+def comparison(measured: dict[str, Any], cell: Any, gpu_kind: str) -> dict[str, Any]:
+    """A recorded cell (`record`'s file, read) against the model and the fake run: the figures `compare` prints."""
+    from bench.predict import allocator, fake, gpus
+
+    device = allocator.from_device_trace(measured["device_trace"])
+    events, records = fake.trace_of(cell, gpus.get(gpu_kind))
+    theirs = who_made(device.events, [(index, size) for index, _, size in device.made])
+    ours = who_made(events, segments_made(events))
+    return {"trace_peak_bytes": device.peak_reserved_bytes,
+            "model_peak_bytes": allocator.replay(device.events).peak_reserved_bytes,
+            "requests": (sum(e[0] == "malloc" for e in device.events), sum(e[0] == "malloc" for e in events)),
+            "parting": first_parting(device.events, events),
+            "large": ([e[2] for e in device.events if e[0] == "malloc" and e[2] > MIB],
+                      [(e[2], records[e[1]].op, records[e[1]].where) for e in events if e[0] == "malloc" and e[2] > MIB]),
+            "segments": {size: (theirs.get(size, []), ours.get(size, [])) for size in sorted(set(theirs) | set(ours))
+                         if len(theirs.get(size, [])) != len(ours.get(size, []))}}
+
+
+def compare(matrix_name: str, path: Path, gpu_kind: str) -> None:
+    try:
+        with gzip.open(path, "rt") as handle:
+            measured = json.load(handle)
+    except (OSError, ValueError) as err:
+        refuse(f"{path}: not a trace `record` wrote ({err})")
+    if measured["entries"] >= measured["max_entries"]:
+        print("warning: the recorder's buffer was full: the trace lost its start")
+    found = comparison(measured, find_cell(matrix_name, measured["cell_id"]), gpu_kind)
+    peak, model = found["trace_peak_bytes"], found["model_peak_bytes"]
+    print(f"{measured['cell_id']} on {measured['gpu']} (torch {measured['torch']}): peak reserved "
+          f"{measured['peak_reserved_gib']} GiB; in its trace {peak:,} B")
+    print(f"1. its requests through the model: {model:,} B ({model / peak - 1:+.3%})")
+    print(f"2. requests: GPU {found['requests'][0]:,}, fake run {found['requests'][1]:,}")
+    theirs, ours = found["large"]
+    at = found["parting"]
+    if at is None:
+        print(f"   the first {min(len(theirs), len(ours)):,} large requests are the same")
+    else:
+        print(f"   large request {at} is the first that differs (GPU | fake run, its op and where):")
+        for i in range(max(0, at - 3), min(at + 6, len(theirs), len(ours))):
+            print(f"   {i}: {theirs[i]:>14,} | {ours[i][0]:>14,}  {ours[i][1]} {ours[i][2]}")
+    for size, (gpu_made, fake_made) in sorted(found["segments"].items(), reverse=True):
+        print(f"   segments of {size:,} B: GPU {len(gpu_made)}, fake run {len(fake_made)}")
+        print(f"     the GPU made them for requests {', '.join(gpu_made[:8])}")
+        print(f"     the fake run's replay for {', '.join(fake_made[:8])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("matrix")
+    rec.add_argument("cell_id")
+    rec.add_argument("out", type=Path)
+    cmp = sub.add_parser("compare")
+    cmp.add_argument("matrix")
+    cmp.add_argument("trace", type=Path)
+    cmp.add_argument("--gpu", default="h100")
+    args = parser.parse_args()
+    if args.command == "record":
+        record(args.matrix, args.cell_id, args.out)
+    else:
+        compare(args.matrix, args.trace, args.gpu)
+
+
+if __name__ == "__main__":
+    main()
