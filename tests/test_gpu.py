@@ -143,6 +143,35 @@ def test_the_allocator_model_maps_what_cudas_expandable_segments_map(streams: in
     assert state.peak_reserved_bytes == measured["peak_reserved"]
 
 
+def test_the_allocator_model_replays_a_cells_own_requests_to_the_byte(tmp_path: Path) -> None:
+    """tools/cell_trace.py: a cell's every allocation and free on this GPU (tiny-llama, gc) replayed through
+    the model reserve what CUDA reserved; the fake run's trace beside it is reported, not judged."""
+    import gzip
+    import subprocess
+    import sys
+
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tools")]
+    import cell_trace
+
+    from bench import spec
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+    from conftest import REPO
+
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cuda", "tiny-llama", 256, 4, parse_stack("gc"))
+    out = tmp_path / "cell.json.gz"
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "cell_trace.py"), "record", "smoke", cell.cell_id,
+                           str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with gzip.open(out, "rt") as handle:
+        measured = json.load(handle)
+    assert measured["status"] == "ok" and measured["entries"] < measured["max_entries"]
+    found = cell_trace.comparison(measured, cell, "h100")
+    assert found["trace_peak_bytes"] == round(measured["peak_reserved_gib"] * 2**30)
+    assert found["model_peak_bytes"] == found["trace_peak_bytes"]
+    print(found["requests"], found["parting"], found["segments"])  # -rP keeps it in the step's log
+
+
 @pytest.mark.parametrize("max_split_mb", [None, 128])
 def test_under_a_memory_fraction_the_garbage_collection_threshold_releases_what_the_model_releases(
         max_split_mb: int | None) -> None:
