@@ -108,7 +108,7 @@ class Sources:
         if self.pairs.empty:
             return "the predictor has no measured cell to be checked against yet"
         allocated, reserved = (self.pairs[c].dropna().abs() for c in ("error_frac", "reserved_error_frac"))
-        return (f"over the {len(self.pairs)} published H100 cells it was checked against, |error| median "
+        return (f"over the {len(self.pairs)} published GPU cells it was checked against, |error| median "
                 f"{allocated.median():.3%}, max {allocated.max():.3%} of measured peak allocated; peak reserved, "
                 f"median {reserved.median():.2%}, max {reserved.max():.2%} ([PREDICTION.md](PREDICTION.md))")
 

@@ -83,3 +83,29 @@ def test_a_board_shows_the_prediction_under_the_measured_runs_software(tmp_path:
     beside = [line for line in board.read_text().splitlines() if line.startswith("| `") and " / " in line]
     errors = {e for line in beside for e in re.findall(r"\(([+-]\d+\.\d+)%\)", line)}
     assert beside and errors <= {"+0.00", "-0.00"}  # the stand-in predicts every measured figure exactly
+
+
+def test_a_cell_measured_on_two_gpu_kinds_is_two_measurements_each_beside_its_own_kinds_prediction(
+        tmp_path: Path) -> None:
+    """The published H200 run measured cells the H100 run had: each GPU's row is compared on its own (not
+    folded into one as repeats), with the prediction made for its GPU kind where there is one."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    h100 = pd.read_parquet(MEASURED_RUN)
+    h200 = h100[(h100["status"] == "ok") & (h100["seq_len"] == 2048)].head(3).copy()
+    h200["run_id"], h200["gpu_name"] = "h200-run", "NVIDIA H200"
+    h200["peak_reserved_gib"] += 1.0  # a figure of its own, so the fold (max over repeats) would show
+    h200.to_parquet(results_dir / "llama3b" / "runs" / "h200-run.parquet")
+    for_h200 = pd.read_parquet(results_dir / "llama3b" / "predicted" / "same-software.parquet")
+    for_h200 = for_h200[for_h200["cell_id"].isin(h200["cell_id"])].assign(gpu_kind="h200", run_id="for-h200")
+    for_h200.to_parquet(results_dir / "llama3b" / "predicted" / "for-h200.parquet")
+
+    measured = report.measured_gpu_cells(results_dir)
+    assert len(measured) == measured["cell_id"].nunique() + 3
+    both = report.checked(results_dir)
+    on_h200 = both[both["gpu_name"] == "NVIDIA H200"].set_index("cell_id")
+    assert set(on_h200["run_id_predicted"]) == {"for-h200"}
+    assert (on_h200["reserved_error_frac"] < 0).all()  # its own measured figure, 1 GiB above the prediction's
+    on_h100 = both[both["cell_id"].isin(on_h200.index) & (both["gpu_name"] != "NVIDIA H200")]
+    assert set(on_h100["run_id_predicted"]) == {"same-software"} and (on_h100["reserved_error_frac"] == 0).all()
+    text = report.markdown(measured, report.predictions(results_dir, every_software=True))
+    assert f"**{len(both)} cells compared** ({both['cell_id'].nunique()} cell ids" in text

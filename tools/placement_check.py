@@ -45,10 +45,11 @@ def main() -> None:
     from bench.predict import allocator, fake, gpus, report
     from bench.stacks import parse_stack
 
+    matrix, gpu, placed = spec.get(REPO / "matrix.yaml", args.matrix), gpus.get(args.gpu), allocator.Replay._place
     measured = report.measured_gpu_cells(REPO / "results", args.matrix)
+    measured = measured[measured["gpu_name"] == gpu.name]  # the GPU kind's own measurements
     globs = args.only.split(",")
     measured = measured[[any(fnmatch.fnmatch(c, g) for g in globs) for c in measured["cell_id"]]]
-    matrix, gpu, placed = spec.get(REPO / "matrix.yaml", args.matrix), gpus.get(args.gpu), allocator.Replay._place
     errors: dict[str, list[float]] = {"the model's": [], "ascending": []}
     print(f"{args.matrix}: {len(measured)} measured cells; peak reserved GiB, measured / predicted (error)")
     print("| cell | measured | the model's placement | ascending addresses |\n|---|---|---|---|")

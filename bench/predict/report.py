@@ -16,17 +16,20 @@ import pandas as pd
 
 from .. import results, segments
 from ..views import by_cell
+from .gpus import GPUS
+
+GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the name NVML gives measured rows
 
 
 def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False) -> pd.DataFrame:
     """Every predicted row under results_dir (of one matrix, if given), the newest per cell id; with
-    every_software, the newest per cell id and software (see `software`), for `pairs` to choose from."""
+    every_software, the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
     pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
     frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
     if not frames:
         return results.to_frame([], results.PREDICTED)
     frame = pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable")
-    keys = frame.assign(software=software(frame))[["cell_id", "software"] if every_software else ["cell_id"]]
+    keys = frame.assign(software=software(frame))[["cell_id", "software", "gpu_kind"] if every_software else ["cell_id"]]
     return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
 
 
@@ -47,32 +50,37 @@ def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
 
 
 def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
-    """Every published GPU cell that ran to the end, one row per cell (repeats folded)."""
+    """Every published GPU cell that ran to the end, one row per cell and GPU kind: repeats on one kind
+    folded; a cell measured on an H100 and on an H200 is two measurements, each its own row."""
     pattern = f"{matrix}/runs/*.parquet" if matrix else "*/runs/*.parquet"
     frames = [results.read_parquet(p) for p in sorted(results_dir.glob(pattern))]
-    if not frames:
+    runs = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
+    runs = runs[runs["device"] == "cuda"]
+    if runs.empty:
         return results.to_frame([])
-    runs = pd.concat(frames, ignore_index=True)
-    gpu_runs = runs[runs["device"] == "cuda"].groupby("cell_id")["run_id"].agg(lambda ids: ", ".join(sorted(set(ids))))
-    frame = by_cell(runs)
-    frame = frame[(frame["device"] == "cuda") & (frame["status"] == "ok")].drop_duplicates("cell_id", keep="last")
-    return frame.assign(run_id=frame["cell_id"].map(gpu_runs))  # every run that measured the cell
+    kind = runs["gpu_name"].fillna("?")  # a row that did not record its GPU: one kind of its own
+    run_ids = runs.groupby([runs["cell_id"], kind])["run_id"].agg(lambda ids: ", ".join(sorted(set(ids))))
+    frame = pd.concat([by_cell(rows) for _, rows in runs.groupby(kind, sort=True)], ignore_index=True)
+    frame = frame[frame["status"] == "ok"].drop_duplicates(["cell_id", "gpu_name"], keep="last")
+    keys = zip(frame["cell_id"], frame["gpu_name"].fillna("?"), strict=True)
+    return frame.assign(run_id=[run_ids[key] for key in keys])
 
 
 def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool = False) -> pd.DataFrame:
-    """Measured cells with an `ok` prediction: both peaks and the error. Where a cell has several
-    predictions, the newest made with the measured run's software, else the newest; with any_software,
-    every prediction of the cell (one pair each)."""
+    """Measured cells with an `ok` prediction: both peaks and the error. Where a measurement has several
+    predictions, the newest made for its GPU kind with the measured run's software, else for another kind
+    (the peaks do not depend on it), else the newest; with any_software, one pair for each software's."""
     ok = predicted[predicted["status"] == "ok"]
     both = measured.merge(ok, on="cell_id", suffixes=("", "_predicted"))
+    both["same_gpu"] = both["gpu_kind"].map(GPU_NAMES) == both["gpu_name"]
     both["same_software"] = software(both) == software(both, "_predicted")
-    if not any_software:
-        both = both.sort_values(["same_software", "started_at_predicted"], kind="stable")
-        both = both.drop_duplicates("cell_id", keep="last")
+    both["software_predicted"] = software(both, "_predicted")
+    both = both.sort_values(["same_software", "same_gpu", "started_at_predicted"], kind="stable")
+    both = both.drop_duplicates(["cell_id", "gpu_name", *(["software_predicted"] if any_software else [])], keep="last")
     both["error_gib"] = both["peak_allocated_gib_predicted"] - both["peak_allocated_gib"]
     both["error_frac"] = both["error_gib"] / both["peak_allocated_gib"]
     both["reserved_error_frac"] = (both["peak_reserved_gib_predicted"] - both["peak_reserved_gib"]) / both["peak_reserved_gib"]
-    return both.sort_values(["model", "seq_len", "stack", "batch_size"]).reset_index(drop=True)
+    return both.sort_values(["model", "seq_len", "stack", "batch_size", "gpu_name"]).reset_index(drop=True)
 
 
 def checked(results_dir: Path) -> pd.DataFrame:
@@ -98,11 +106,11 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame) -> str:
     lines += _by_software(measured, predicted)
     lines += _by_method(both, predicted)
     if len(both):
-        lines += ["| cell | stack | seq | batch | allocated GiB: measured | predicted | error | "
+        lines += ["| cell | GPU | stack | seq | batch | allocated GiB: measured | predicted | error | "
                   "reserved GiB: measured | predicted | error | peak (measured / predicted) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in both.iterrows():
-            lines.append(f"| `{r['cell_id']}` | `{r['stack']}` | {r['seq_len']} | {r['batch_size']} | "
+            lines.append(f"| `{r['cell_id']}` | {r['gpu_name']} | `{r['stack']}` | {r['seq_len']} | {r['batch_size']} | "
                          f"{r['peak_allocated_gib']:.3f} | {r['peak_allocated_gib_predicted']:.3f} | {r['error_frac']:+.2%} | "
                          f"{_num(r['peak_reserved_gib'])} | {_num(r['peak_reserved_gib_predicted'])} | "
                          f"{_signed(r['reserved_error_frac'])} | "
@@ -134,8 +142,10 @@ def _sources(both: pd.DataFrame) -> list[str]:
 
 
 def _summary(both: pd.DataFrame, n_unsupported: int, n_missing: int) -> list[str]:
-    lines = [f"**{len(both)} cells compared**; {n_unsupported} measured cells have a stack the fake run does not "
-             f"cover yet (listed below); {n_missing} were not predicted."]
+    kinds = "" if both["cell_id"].is_unique else (f" ({both['cell_id'].nunique()} cell ids: a cell measured on "
+                                                    "several GPU kinds is compared once for each)")
+    lines = [f"**{len(both)} cells compared**{kinds}; {n_unsupported} measured cells have a stack the fake run does "
+             f"not cover yet (listed below); {n_missing} were not predicted."]
     if len(both):
         seconds = both["predict_s"].dropna()
         lines += ["", "| peak | cells | median abs error | max abs error | cells over 1% | cells over 3% |",
@@ -210,8 +220,8 @@ def _by_software(measured: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     the code it runs on). Pairs, not one set of cells for all: a release that predicted only a few cells
     must not shrink every other comparison to those few."""
     every = pairs(measured, predicted, any_software=True)
-    every = every.assign(software_predicted=software(every, "_predicted"))
-    releases = every.groupby("software_predicted")["cell_id"].agg(set)
+    every = every.assign(measurement=every["cell_id"] + " on " + every["gpu_name"].fillna("?"))  # per GPU kind
+    releases = every.groupby("software_predicted")["measurement"].agg(set)
     if len(releases) < 2:
         return []
     measured_under = software(every).mode().iloc[0]
@@ -230,10 +240,10 @@ def _by_software(measured: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
-def _release_errors(every: pd.DataFrame, release: str, cells: set[str]) -> list[str]:
-    """A release's predictions of `cells`: allocated and reserved median / max abs error, and how many cells'
-    reserved errs by more than 1% and by more than 3%."""
-    group = every[(every["software_predicted"] == release) & every["cell_id"].isin(cells)]
+def _release_errors(every: pd.DataFrame, release: str, measurements: set[str]) -> list[str]:
+    """A release's predictions of those measurements: allocated and reserved median / max abs error, and how
+    many cells' reserved errs by more than 1% and by more than 3%."""
+    group = every[(every["software_predicted"] == release) & every["measurement"].isin(measurements)]
     reserved = group["reserved_error_frac"].dropna().abs()
     return [_median_max(group["error_frac"]), _median_max(group["reserved_error_frac"]), str((reserved > 0.01).sum()),
             str((reserved > 0.03).sum())]
