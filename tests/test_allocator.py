@@ -124,6 +124,15 @@ def test_the_model_maps_what_cudas_expandable_segments_mapped_on_an_h200() -> No
     assert state.oom_at is None and state.peak_reserved_bytes == 7_180_648_448
 
 
+def test_a_device_trace_gives_each_requests_own_size_and_the_replay_rounds_it_as_the_allocator_does() -> None:
+    rows = [["segment_alloc", 0, 2 * MIB, 0], ["alloc", 0, 4, 0], ["alloc", 512, 513, 0], ["free_completed", 0, 4, 0]]
+    found = allocator.from_device_trace(rows)
+    assert found.events == [("malloc", 0, 512, 0), ("malloc", 1, 1024, 0), ("free", 0, 512, 0)]
+    assert found.made == [(0, 0, 2 * MIB)] and found.peak_reserved_bytes == 2 * MIB
+    with pytest.raises(ValueError, match="never allocated"):
+        allocator.from_device_trace([["free_completed", 4096, 512, 0]])
+
+
 def test_a_large_block_is_split_only_when_more_than_1_mib_is_left() -> None:
     whole = _reserved(("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 19.5), ("malloc", 2, 0.5))
     assert whole.peak_reserved_bytes == (20 + 2) * MIB  # 0.5 MiB left in the large block is not split off

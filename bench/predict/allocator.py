@@ -459,8 +459,10 @@ class DeviceTrace:
 
 
 def from_device_trace(rows: Iterable[list[Any]]) -> DeviceTrace:
-    """Reads a device trace from the allocator's start; streams numbered 0, 1, ... as they appear. A free of
-    a block the trace never allocated means it lost its start (the recorder's ring buffer was too short)."""
+    """Reads a device trace from the allocator's start; streams numbered 0, 1, ... as they appear. The trace
+    gives each request's own size: rounded up to 512 B here, as the allocator rounds it (round_size) and the
+    fake run's trace is. A free of a block the trace never allocated means it lost its start (the
+    recorder's ring buffer was too short)."""
     events: list[tuple[str, int, int, int]] = []
     made: list[tuple[int, int, int]] = []
     released: list[tuple[int, int]] = []
@@ -477,13 +479,18 @@ def from_device_trace(rows: Iterable[list[Any]]) -> DeviceTrace:
             reserved -= nbytes
         elif action == "alloc":
             live[address] = len(events)
-            events.append(("malloc", len(events), nbytes, streams.setdefault(stream, len(streams))))
+            events.append(("malloc", len(events), _rounded(nbytes), streams.setdefault(stream, len(streams))))
         elif action == "free_completed":
             if address not in live:
                 raise ValueError(f"the device trace frees {nbytes} B at {address:#x} it never allocated: it "
                                  "does not start at the allocator's start")
-            events.append(("free", live.pop(address), nbytes, streams[stream]))
+            events.append(("free", live.pop(address), _rounded(nbytes), streams[stream]))
     return DeviceTrace(events, made, released, peak)
+
+
+def _rounded(nbytes: int) -> int:
+    """A request as the allocator serves it: a multiple of 512 B, at least 512 (round_size)."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
 
 
 def positions(records: list[Any], event_counts: list[int], releases: Iterable[int] = ()) -> list[int]:
