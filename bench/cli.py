@@ -72,8 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--redo", default="", help="re-run recorded cells with these statuses (comma list, or 'all')")
     run.add_argument("--no-prune", action="store_true", help="run larger batches even after an OOM")
     run.add_argument("--repeats", type=int, help="run each cell N times, each in a fresh process (default: the matrix's)")
-    run.add_argument("--prefork", choices=("auto", "on", "off"), default="auto",
-                     help="start the next worker while a cell runs (auto: on for GPU runs)")
+    run.add_argument("--prefork", default="auto", metavar="auto|on|off|N",
+                     help=f"start the workers of the next N cells while a cell runs, hiding their imports (on: "
+                          f"{runner.PREFORK_AHEAD}; auto: on for GPU runs, off on a CPU)")
     run.add_argument("--shard", metavar="I/N",
                      help="run only shard I of N (by cell group), e.g. a job array's task: --shard 3/8; the "
                           "default run id gets -shardIofN; `report --run-id 'RUN-shard*' --into RUN` merges them")
@@ -197,6 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise spec.SpecError(f"--repeats must be at least 1, not {args.repeats}")
     shard = cells.Shard.parse(args.shard) if args.shard else None
+    prefork = _prefork(args.prefork)
     planned = cells.plan(matrix, host, args.repeats)
     cells.matching(planned, args.only, matrix.name)  # refuses globs that match nothing
     if not any(pc.skip_reason is None for pc in planned):
@@ -221,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prune_after_oom=matrix.prune_after_oom and not args.no_prune,
         redo=frozenset(filter(None, args.redo.split(","))),
         only=args.only,
-        prefork=args.prefork == "on" or (args.prefork == "auto" and device == "cuda"),
+        prefork=(runner.PREFORK_AHEAD if device == "cuda" else 0) if prefork is None else prefork,
     )
     print(f"run {run_id}: {len(planned)} cells of {matrix.name!r} on {device}; raw rows in "
           f"{args.results_dir / 'raw' / run_id}")
@@ -496,6 +498,16 @@ def _nothing_runnable(args: argparse.Namespace, matrix: spec.MatrixSpec, planned
           f"Matrices that run here: {', '.join(here) or 'none'} (e.g. `make bench MATRIX={here[0] if here else 'smoke'}`). "
           f"`python -m bench list {matrix.name}` shows the plan.", file=sys.stderr)
     return 2
+
+
+def _prefork(value: str) -> int | None:
+    """--prefork: how many workers to start ahead of their cells; None for auto (the device decides)."""
+    named = {"auto": None, "on": runner.PREFORK_AHEAD, "off": 0}
+    if value in named:
+        return named[value]
+    if not value.isdigit():
+        raise spec.SpecError(f"--prefork takes auto, on, off or a number of workers ahead, not {value!r}")
+    return int(value)
 
 
 def _default_run_id(matrix: str, device: str, provenance: dict, fresh: bool) -> str:

@@ -55,7 +55,7 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("error", "str", "for error/timeout/host_oom: the tail of the exception or of the worker's log"),
     ("wall_s", "float", "wall time of the cell, from its handover to its worker (the worker's start if not "
                         "preforked) to the worker's exit, s: what the cell cost the host"),
-    ("preforked", "bool", "the worker was started while the previous cell ran: its imports overlapped that cell "
+    ("preforked", "bool", "the worker was started while an earlier cell ran (--prefork): its imports overlapped it "
                           "(the part this cell still waited for: imports_wait_s)"),
     ("imports_s", "float", "worker process start to torch, transformers and the model's code imported, s"),
     ("imports_wait_s", "float", "the part of imports_s the cell waited for (all of it unless preforked early enough), s"),

@@ -6,8 +6,9 @@
   loses at most the cell in flight; a re-run with the same run id skips finished cells.
 - Workers die with the runner (PR_SET_PDEATHSIG), so a killed run leaves nothing on the GPU.
 - After an OOM at batch b, larger batches of the same model/seq/stack are recorded as skipped.
-- With `prefork`, the next cell's worker is started while the current one runs: it imports torch
-  and transformers (seconds) and waits, untouched by CUDA, until its cell is handed over.
+- With `prefork` N, the workers of the next N cells are started while the current one runs: each
+  imports torch and transformers (13 s on an H200 host) and waits, untouched by CUDA, until its cell
+  is handed over. One ahead is not enough where cells are shorter than the imports (`Spares`).
 - A cell of several GPUs runs under torchrun (one worker per rank, the request in a file); its
   ranks' rows are merged into one (bench/ranks.py). torchrun's rendezvous is what would carry a
   cell across nodes; here every cell runs on this host (--standalone).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -38,6 +41,7 @@ from .worker import PRELOAD_MODEL_ENV
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
 RANK_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")  # torchrun's report of a rank killed so
 LOG_TAIL_LINES = 15
+PREFORK_AHEAD = 3  # workers started ahead with --prefork on (and auto, on a GPU): see Spares
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class RunOptions:
     prune_after_oom: bool = True
     redo: frozenset[str] = frozenset()  # re-run cells whose recorded status is one of these ("all": any)
     only: str | None = None  # fnmatch pattern on cell ids
-    prefork: bool = False
+    prefork: int = 0  # how many of the next cells' workers are started ahead of them (0: none)
 
 
 @dataclass
@@ -80,7 +84,7 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
     _prebuild_ops([pc.cell for pc in todo if not pc.skip_reason])
     progress.start(len(todo))
-    spare: Worker | None = None
+    spares = Spares(opts.prefork, raw_dir)
     try:
         for index, pc in enumerate(todo):
             cell = pc.cell
@@ -91,21 +95,52 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
                 row = base | {"status": "skipped", "skip_reason": reason}
             else:
                 request = _request(cell, raw_dir)
-                preforked = spare is not None and spare.cell == cell
-                worker = spare if spare is not None and preforked else _spawn(cell, raw_dir, request)
-                if not preforked:
-                    _discard(spare)
-                base = base | {"preforked": preforked}
-                nxt = _next_runnable(todo[index + 1:], oom_batch, opts) if opts.prefork else None
-                spare, row = _finish(worker, request, base, raw_dir, next_cell=nxt)
+                worker = spares.take(cell)
+                base = base | {"preforked": worker is not None}
+                worker = worker or _spawn(cell, raw_dir, request)
+                upcoming = _runnable(todo[index + 1:], oom_batch, opts)
+                row = _finish(worker, request, base, raw_dir, on_handover=functools.partial(spares.start, upcoming))
             results.write_atomic(raw_dir / f"{cell.row_key}.json", row)
             rows[cell.row_key] = row
             if row["status"] == "oom":
                 oom_batch[cell.group] = min(cell.batch_size, oom_batch.get(cell.group, cell.batch_size))
             progress.cell_finished(cell, row)
     finally:
-        _discard(spare)
+        spares.discard_all()
     return rows
+
+
+class Spares:
+    """Workers started ahead of their cells, each importing while the cells before it run.
+
+    Why several: on an H200 host a worker's imports took 11-15 s while most cells ran for 4-10 s after
+    their handover, so with one worker ahead the cells of llama3b-h200-20261127 waited 44 s of their
+    121 s for imports. Started `ahead` cells early, a worker has the time of that many cells to import.
+    Each costs an idle interpreter's host RAM (torch and transformers imported) while it waits, and
+    never touches CUDA, so the running cell's device figures are its own."""
+
+    def __init__(self, ahead: int, raw_dir: Path):
+        self.ahead, self.raw_dir = ahead, raw_dir
+        self.waiting: dict[str, Worker] = {}  # row key -> its worker
+
+    def take(self, cell: Cell) -> Worker | None:
+        """The worker started for this cell, if one was."""
+        return self.waiting.pop(cell.row_key, None)
+
+    def start(self, upcoming: list[Cell]) -> None:
+        """Workers for the first `ahead` of the upcoming cells that lack one; those of cells no longer
+        upcoming (pruned after an OOM) are stopped. torchrun starts a cell of several GPUs itself."""
+        wanted = [c for c in upcoming[:self.ahead] if c.gpus == 1]
+        for key in set(self.waiting) - {c.row_key for c in wanted}:
+            _discard(self.waiting.pop(key))
+        for c in wanted:
+            if c.row_key not in self.waiting:
+                self.waiting[c.row_key] = _spawn(c, self.raw_dir)
+
+    def discard_all(self) -> None:
+        for worker in self.waiting.values():
+            _discard(worker)
+        self.waiting.clear()
 
 
 def _prebuild_ops(cells: list[Cell]) -> None:
@@ -145,11 +180,15 @@ def _pruned(cell: Cell, oom_batch: dict[Group, int], opts: RunOptions) -> str | 
     return None
 
 
-def _next_runnable(rest: list[PlannedCell], oom_batch: dict, opts: RunOptions) -> Cell | None:
+def _runnable(rest: list[PlannedCell], oom_batch: dict, opts: RunOptions) -> list[Cell]:
+    """The cells of `rest` that will run as things stand (not skipped, not pruned): at most `prefork`."""
+    cells: list[Cell] = []
     for pc in rest:
+        if len(cells) >= opts.prefork:
+            break
         if not pc.skip_reason and not _pruned(pc.cell, oom_batch, opts):
-            return pc.cell if pc.cell.gpus == 1 else None  # torchrun starts its ranks itself, on the cell
-    return None
+            cells.append(pc.cell)
+    return cells
 
 
 def _base_row(cell: Cell, opts: RunOptions, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -236,9 +275,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_dir: Path,
-            next_cell: Cell | None) -> tuple[Worker | None, dict[str, Any]]:
-    """Hands the cell to its worker, starts the next worker, waits; returns (next worker, row):
-    `base` (what the runner knows of the cell) with what the worker measured, or how it ended."""
+            on_handover: Callable[[], None]) -> dict[str, Any]:
+    """Hands the cell to its worker, calls `on_handover` (which starts the next cells' workers), waits;
+    returns `base` (what the runner knows of the cell) with what the worker measured, or how it ended."""
     cell, proc = worker.cell, worker.proc
     out = Path(request["out"])
     started = time.monotonic()
@@ -248,7 +287,7 @@ def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_d
             proc.stdin.close()
         except BrokenPipeError:  # the worker died while importing: its log says why
             pass
-    spare = _spawn(next_cell, raw_dir) if next_cell else None  # imports while this cell runs
+    on_handover()
     try:
         proc.wait(timeout=cell.timeout_s)
         timed_out = False
@@ -264,7 +303,7 @@ def _finish(worker: Worker, request: dict[str, Any], base: dict[str, Any], raw_d
     if cell.gpus > 1 and row["status"] == "error" and RANK_SIGKILLED.search(_log_tail(worker, 200)):
         row = row | {"status": "host_oom", "error": "a rank was killed by SIGKILL: most likely the kernel's OOM "
                                                     f"killer, out of host RAM\n{row['error']}"}
-    return spare, row | {"wall_s": wall_s, "teardown_s": teardown_s}
+    return row | {"wall_s": wall_s, "teardown_s": teardown_s}
 
 
 def _teardown_s(out: Path, gpus: int, exited_at: float) -> float | None:

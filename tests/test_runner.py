@@ -153,6 +153,42 @@ def test_no_prune_runs_larger_batches_after_an_oom(workdir: Path) -> None:
     assert sorted(r["status"] for r in raw_rows(workdir, "np").values()) == ["oom", "oom"]
 
 
+def test_workers_started_ahead_wait_for_their_cells_and_those_of_pruned_cells_are_stopped(workdir: Path) -> None:
+    """--prefork 3: every cell after the first finds its worker already started; after an OOM at batch 2 the
+    worker started for batch 4 (pruned) is stopped, and none outlives the run."""
+    write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [1, 2, 4]").replace(
+        "[baseline, gc, lora, mixed]", "[baseline, 'fault(mode=oom, over_tokens=32)']").replace(
+        "ladder: [baseline, gc]", "ladder: [baseline]"))
+    log = workdir / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(bench_args(workdir, "run", "tiny", "--run-id", "ahead", "--prefork", "3"), cwd=REPO,
+                                env={**os.environ, "BENCH_TEST_TECHNIQUES": "1"}, stdout=out, stderr=subprocess.STDOUT)
+        most_alive = 0
+        while proc.poll() is None:
+            most_alive = max(most_alive, len(_workers_of(workdir)))
+            time.sleep(0.2)
+    assert proc.returncode == 0, log.read_text()
+    assert most_alive == 4  # the cell running and the workers of the next 3
+    rows = sorted(raw_rows(workdir, "ahead").values(), key=lambda r: r["started_at"])
+    outcome = {(r["stack"], r["batch_size"]): r["status"] for r in rows}
+    assert outcome == {("baseline", 1): "ok", ("baseline", 2): "ok", ("baseline", 4): "ok",
+                       ("fault(mode=oom, over_tokens=32)", 1): "ok", ("fault(mode=oom, over_tokens=32)", 2): "oom",
+                       ("fault(mode=oom, over_tokens=32)", 4): "skipped"}
+    ran = [r for r in rows if r["status"] != "skipped"]
+    assert [r["preforked"] for r in ran] == [False] + [True] * (len(ran) - 1)
+    assert all(r["imports_wait_s"] <= r["imports_s"] for r in ran)
+    logs = {p.stem for p in (workdir / "results" / "raw" / "ahead" / "logs").glob("*.log")}
+    assert logs == {r["cell_id"] for r in ran}  # the pruned cell's worker was stopped, its log removed
+    assert not _workers_of(workdir)
+
+
+def test_prefork_takes_a_number_of_workers_and_refuses_anything_else(workdir: Path) -> None:
+    write_matrix(workdir, TINY)
+    proc = run_bench(workdir, "run", "tiny", "--run-id", "bad", "--prefork", "many")
+    assert proc.returncode == 2 and "--prefork takes auto, on, off or a number" in proc.stderr, proc.stderr
+    assert not (workdir / "results" / "raw" / "bad").exists()
+
+
 def test_killed_runner_loses_at_most_the_cell_in_flight(workdir: Path) -> None:
     write_matrix(workdir, TINY.replace("batch_sizes: [1, 2]", "batch_sizes: [1, 2, 4]").replace(
         "[baseline, gc, lora, mixed]", "[baseline, gc]"))
