@@ -32,6 +32,8 @@ def merge(base: dict[str, Any], by_rank: dict[int, dict[str, Any]], world: int) 
     for col in (*MEMORY_COLUMNS, *STAGE_TIME_COLUMNS):  # what each card must hold; the slowest rank's time
         values = [r[col] for r in present if r.get(col) is not None]
         row[col] = max(values) if values else None
+    held = [r["context_before_cell"] for r in present if r.get("context_before_cell") is not None]
+    row["context_before_cell"] = any(held) if held else None  # any rank's context was in its GPU's figures
     row["per_rank_json"] = json.dumps([{k: r.get(k) for k in PER_RANK} if r else None for r in rows])
     failed = [(i, r) for i, r in enumerate(rows) if r is not None and r["status"] != "ok"]
     failed.sort(key=lambda found: found[1]["status"] != "oom")  # an OOM is the cause, not its echo

@@ -241,7 +241,18 @@ def _time_spent(runs: pd.DataFrame) -> list[str]:
              f"{len(ran)} cells ran in {wall / 60:.1f} min of wall time ({wall / len(ran):.1f} s per cell); "
              f"wall / measured = {ratio}.", "", "| stage | total s | share of wall |", "|---|---|---|"]
     lines += [f"| {name} | {seconds:.1f} | {seconds / wall:.0%} |" for name, seconds in spent.items()]
-    return [*lines, ""]
+    return [*lines, "", *_contexts_before_cells(ran)]
+
+
+def _contexts_before_cells(ran: pd.DataFrame) -> list[str]:
+    """Workers started ahead must not hold a CUDA context while they wait: it would be in the running cell's
+    NVML figures (bench/worker.py). Said where one did, naming the cells whose worker held one."""
+    held = ran[ran["context_before_cell"].fillna(False).astype(bool)] if "context_before_cell" in ran else ran[:0]
+    if held.empty:
+        return []
+    return [f"**{len(held)} worker(s) held a CUDA context before their cell** (`context_before_cell`): the NVML "
+            f"figures of the cells run while they waited include it. Cells: "
+            + ", ".join(f"`{c}`" for c in held["cell_id"]), ""]
 
 
 def _not_ok(frame: pd.DataFrame) -> list[str]:

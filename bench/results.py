@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 8  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
+SCHEMA_VERSION = 9  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
 # 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked),
-# the phase timeline and the step trace; 7: host RSS around the checkpoint save; 8: segments_json
+# the phase timeline and the step trace; 7: host RSS around the checkpoint save; 8: segments_json;
+# 9: context_before_cell
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -58,6 +59,9 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("preforked", "bool", "the worker was started while an earlier cell ran (--prefork): its imports overlapped it "
                           "(the part this cell still waited for: imports_wait_s)"),
     ("imports_s", "float", "worker process start to torch, transformers and the model's code imported, s"),
+    ("context_before_cell", "bool", "the worker held a CUDA context before its cell arrived (it should not: "
+                                    "while it waited, it would have held device memory in the running cell's "
+                                    "NVML figures); empty on a CPU host"),
     ("imports_wait_s", "float", "the part of imports_s the cell waited for (all of it unless preforked early enough), s"),
     ("build_s", "float", "cell handed over to model built, stack applied, engine wrapped and batches made, s"),
     ("first_step_s", "float", "the first step (lazy optimizer state, allocator growth, kernel choice), wall, s"),

@@ -36,7 +36,7 @@ from typing import IO, Any, Protocol
 from . import distributed, prebuild, ranks, results
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
-from .worker import PRELOAD_MODEL_ENV
+from .worker import PRELOAD_MODEL_ENV, PRELOAD_MODULES_ENV
 
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
 RANK_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")  # torchrun's report of a rank killed so
@@ -211,6 +211,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
         PRELOAD_MODEL_ENV: cell.model,  # the worker imports this model family's code before its cell
+        PRELOAD_MODULES_ENV: ",".join(cell.stack.preload),  # and the slow imports of its stack's builds
     }
     env.update(cell.stack.env)
     if cell.gpus > 1:  # torchrun sets the ranks' own

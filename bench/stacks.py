@@ -71,6 +71,11 @@ class Stack:
         return setup
 
     @property
+    def preload(self) -> tuple[str, ...]:
+        """The modules its techniques' builds import that a waiting worker imports ahead (Technique.preload)."""
+        return tuple(dict.fromkeys(m for use in self.uses for m in use.technique.preload))
+
+    @property
     def env(self) -> dict[str, str]:
         """The environment variables its techniques set for a worker before torch starts; the caching
         allocator's settings joined into one PYTORCH_CUDA_ALLOC_CONF, comma-separated as torch reads it."""

@@ -37,6 +37,7 @@ from .measure import GIB
 
 FIRST_IMPORTS_ENV = "BENCH_WORKER_FIRST_IMPORTS"  # a technique's `env` names them (unsloth)
 PRELOAD_MODEL_ENV = "BENCH_WORKER_MODEL"  # the runner names the cell's model: its code is imported before the cell
+PRELOAD_MODULES_ENV = "BENCH_WORKER_PRELOAD"  # and the slow imports of its stack's builds (Technique.preload)
 OOM_MARKERS = ("out of memory", "CUDA error: out of memory")
 HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory",)  # host RAM exhausted (CPU cells, offload)
 
@@ -57,13 +58,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     _import_model_code(os.environ.get(PRELOAD_MODEL_ENV))
+    _preload(os.environ.get(PRELOAD_MODULES_ENV, ""))
     imported_at = time.time()
     line = Path(request_file).read_text() if request_file else sys.stdin.readline()
     if not line.strip():
         return
     request = json.loads(line)
     imports = {"imports_s": imported_at - _process_started_at(),
-               "imports_wait_s": max(0.0, imported_at - request["handed_over_at"])}
+               "imports_wait_s": max(0.0, imported_at - request["handed_over_at"]),
+               "context_before_cell": _holds_cuda_context()}
     measured = imports | run_cell(Cell.from_json(request["cell"]))
     out = Path(request["out"])
     results.write_json_atomic(results.rank_path(out, distributed.rank()) if request_file else out, measured)
@@ -89,6 +92,29 @@ def _import_model_code(model: str | None) -> None:
 
     with contextlib.suppress(Exception):
         MODEL_FOR_CAUSAL_LM_MAPPING[type(models.hf_config(models.get(model), "sdpa"))]
+
+
+def _preload(modules: str) -> None:
+    """The slow imports of the stack's builds (peft, bitsandbytes, Liger's patches), while the worker
+    waits. Only a head start, as for the model's code: a failure here is met again, and recorded, by the
+    build. These libraries ask torch about the GPU as they import (its capability, for Triton and
+    bitsandbytes' kernels): `context_before_cell` records whether that left a CUDA context."""
+    for name in filter(None, modules.split(",")):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _holds_cuda_context() -> bool | None:
+    """Whether this process held a CUDA context on its GPU when its cell arrived (None on a CPU host).
+    It should not: a worker waiting for its cell holding one would have held its device memory while the
+    cell before it ran, in that cell's NVML figures, and its own NVML baseline would include it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if not torch.cuda.is_initialized():
+        return False
+    return bool(torch._C._cuda_hasPrimaryContext(distributed.local_rank()))  # type: ignore[attr-defined]
 
 
 def _process_started_at() -> float:

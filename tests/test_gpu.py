@@ -35,6 +35,29 @@ def test_gpu_cell_records_every_memory_counter(workdir: Path) -> None:
             assert evidence["alloc_conf"] == "max_split_size_mb:24"
 
 
+def test_workers_waiting_ahead_import_their_stacks_modules_without_a_cuda_context(workdir: Path) -> None:
+    """--prefork 3: while the first cell (lora) runs, the workers of adamw8bit, liger and baseline wait, having
+    imported bitsandbytes and Liger (Technique.preload), which ask torch about the GPU. None may hold a CUDA
+    context: it would sit in the running cell's NVML figures. So the first cell's memory outside torch equals
+    the last's, which ran with no worker waiting (a second context is about 0.5 GiB)."""
+    for package in ("peft", "bitsandbytes", "liger_kernel"):
+        pytest.importorskip(package)
+    write_matrix(workdir, """
+    matrices:
+      g: {device: cuda, models: [tiny-llama], seq_lens: [256], batch_sizes: [2],
+          stacks: [lora, adamw8bit, liger, baseline], steps: {warmup: 2, measure: 5}}
+    """)
+    proc = run_bench(workdir, "run", "g", "--run-id", "g", "--prefork", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_stack = {r["stack"]: r for r in raw_rows(workdir, "g").values()}
+    rows = [by_stack[s] for s in ("lora", "adamw8bit", "liger", "baseline")]  # the plan's order
+    assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
+    assert [r["preforked"] for r in rows] == [False, True, True, True]
+    assert [r["context_before_cell"] for r in rows] == [False] * 4
+    first, last = (r["nvml_peak_gib"] - r["peak_reserved_gib"] for r in (rows[0], rows[-1]))
+    assert abs(first - last) < 0.1, (first, last)
+
+
 def test_fsdp_and_its_cpu_offload_on_one_gpu(workdir: Path) -> None:
     """FSDP2 on one GPU (nccl, world of one): exact against the baseline; CPUOffloadPolicy keeps the
     sharded parameters on the host; mixed precision keeps fp32 masters."""

@@ -110,3 +110,17 @@ def test_merged_runs_keep_one_row_per_cell_a_measured_one_first_then_the_newest(
     merged = {r["cell_id"]: r["run"] for r in results.merge_runs([shard_a, rerun])}
     assert merged == {"x": "a", "y": "b", "z": "b"}  # nothing measured is lost to a later failure
     assert {r["run"] for r in results.merge_runs([rerun, shard_a])} == {"a", "b"}  # order of the runs does not matter
+
+
+def test_a_board_names_the_cells_whose_worker_held_a_cuda_context_before_them() -> None:
+    """A worker started ahead that held a CUDA context while it waited put it in the running cell's NVML
+    figures: the board says so, with the cells; a run without one says nothing."""
+    from bench import report
+
+    published = Path(__file__).resolve().parents[1] / "results" / "llama3b" / "runs" / "llama3b-h200-20261127.parquet"
+    frame = results.read_parquet(published)
+    assert "held a CUDA context" not in report.leaderboard(frame, "cmd")
+    held = frame.assign(context_before_cell=[i == 2 for i in range(len(frame))])
+    board = report.leaderboard(held, "cmd")
+    assert "**1 worker(s) held a CUDA context before their cell**" in board
+    assert f"`{frame['cell_id'].iloc[2]}`" in board.split("held a CUDA context")[1].splitlines()[0]

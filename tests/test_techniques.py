@@ -25,6 +25,25 @@ def test_technique_declares_what_it_saves_and_costs(name: str) -> None:
     # the planner looks for a technique's packages among the optional ones only: one missing there
     # would make every cell of the technique "not installed", wherever it runs
     assert set(t.packages) <= set(OPTIONAL_PACKAGES), f"{name}: add its packages to envinfo.OPTIONAL_PACKAGES"
+    assert {m.split(".")[0] for m in t.preload} <= set(t.packages), f"{name}: preloads a module of no package it needs"
+
+
+def test_a_waiting_worker_imports_its_stacks_slow_modules_and_goes_on_past_a_missing_one() -> None:
+    """The worker imports what the stack's builds import (Technique.preload) before its cell arrives; a module
+    that fails to import is left for the build to meet and record. On a CPU host no context is asked about."""
+    import subprocess
+    import sys
+
+    from bench.stacks import parse_stack
+
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    assert parse_stack("gc + qlora + adamw8bit").preload == ("bitsandbytes", "peft")  # in order, each once
+    probe = ("import sys; from bench import worker; worker._preload('no_such_module,peft,bitsandbytes'); "
+             "print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules), worker._holds_cuda_context())")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['bitsandbytes', 'peft'] None"
 
 
 @pytest.mark.parametrize("stack", ["lora(targets=q_proj|v_proj)", "dora(targets=q_proj|v_proj)"])

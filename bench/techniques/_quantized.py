@@ -55,6 +55,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         choices=dict(lora.TECHNIQUE.choices),
         ranges=dict(lora.TECHNIQUE.ranges),
         packages=("bitsandbytes", "peft"),
+        preload=("bitsandbytes", "peft"),
         not_predicted=not_predicted,
         # qlora brings its own adapters; its base dtype is fixed; ZeRO-3 would partition packed
         # 4-bit storage, which needs bnb_4bit_quant_storage plumbing this suite does not do.

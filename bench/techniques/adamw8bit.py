@@ -26,5 +26,6 @@ TECHNIQUE = Technique(
     phase=Phase.OPTIMIZER,
     slot="optimizer",
     packages=("bitsandbytes",),
+    preload=("bitsandbytes",),
     make_optimizer=make,
 )

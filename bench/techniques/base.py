@@ -68,6 +68,10 @@ class Technique:
     # (bench/kernels.py) and the first step would run eager
     compiles_forward: bool = False
     packages: tuple[str, ...] = ()  # import names that must be installed
+    # Modules its build imports that take seconds (peft: 7 s on a 2-core CPU): a worker started ahead of its
+    # cell imports them while it waits (bench/worker.py). Only modules whose import leaves the GPU alone:
+    # each row says whether its worker held a CUDA context before its cell (context_before_cell).
+    preload: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()  # techniques it cannot be stacked with
     needs_one_of: tuple[str, ...] = ()  # it only works on top of one of these
     families: tuple[str, ...] = ()  # model families it supports (empty: any); others are skipped with a reason

@@ -42,6 +42,7 @@ TECHNIQUE = Technique(
     choices=dict(lora.TECHNIQUE.choices),
     ranges=dict(lora.TECHNIQUE.ranges),
     packages=("peft",),
+    preload=("peft",),
     conflicts=("lora", "qlora", "int8_lora"),
     apply=_apply,
     validate=_validate,

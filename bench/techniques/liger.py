@@ -50,6 +50,7 @@ TECHNIQUE = Technique(
     options={k: True for k in KERNELS},
     requires_cuda=True,
     packages=("liger_kernel",),
+    preload=("liger_kernel.transformers",),
     families=FAMILIES,
     before_build=_before_build,
     apply=_apply,

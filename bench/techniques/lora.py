@@ -75,6 +75,7 @@ TECHNIQUE = Technique(
     choices={"adapter_dtype": ("fp32", "bf16")},
     ranges={"r": "[1, inf)", "alpha": "(0, inf)", "dropout": "[0, 1)"},
     packages=("peft",),
+    preload=("peft",),
     apply=_apply,
     validate=_validate,
 )

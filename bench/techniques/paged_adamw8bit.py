@@ -27,5 +27,6 @@ TECHNIQUE = Technique(
     slot="optimizer",
     requires_cuda=True,
     packages=("bitsandbytes",),
+    preload=("bitsandbytes",),
     make_optimizer=_make,
 )
