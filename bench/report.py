@@ -8,6 +8,8 @@ OOM and skipped cells stay visible in the grid and are listed with their reasons
 
 from __future__ import annotations
 
+import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,7 +243,31 @@ def _time_spent(runs: pd.DataFrame) -> list[str]:
              f"{len(ran)} cells ran in {wall / 60:.1f} min of wall time ({wall / len(ran):.1f} s per cell); "
              f"wall / measured = {ratio}.", "", "| stage | total s | share of wall |", "|---|---|---|"]
     lines += [f"| {name} | {seconds:.1f} | {seconds / wall:.0%} |" for name, seconds in spent.items()]
-    return [*lines, "", *_contexts_before_cells(ran)]
+    return [*lines, "", *_warmup_convergence(ran), *_contexts_before_cells(ran)]
+
+
+def _warmup_convergence(ran: pd.DataFrame) -> list[str]:
+    """Whether the warm-up steps were enough, from each step's trace (`ms`, from schema 9 on): how long the last
+    warm-up step took against the measured median, and the step after which reserved memory stopped growing."""
+    if "step_trace_json" not in ran:
+        return []
+    speeds, settled = [], []
+    for _, r in ran[ran["step_trace_json"].notna()].iterrows():
+        trace = json.loads(r["step_trace_json"])
+        warm = [t for t in trace if t["stage"] != "measure"]
+        if len(warm) > 1 and warm[-1].get("ms") and r.get("step_ms_p50"):
+            speeds.append(warm[-1]["ms"] / r["step_ms_p50"])
+        reserved = [t.get("reserved_gib") for t in trace]
+        if None not in reserved:  # steps (1-based) after which the allocator held more than before
+            settled.append(max((i + 1 for i in range(1, len(reserved)) if reserved[i] > reserved[i - 1]), default=1))
+    lines = []
+    if speeds:
+        lines.append(f"Warm-up: the last warm-up step took {statistics.median(speeds):.2f}× the measured median step "
+                     f"(median over {len(speeds)} cells; {min(speeds):.2f}-{max(speeds):.2f}).")
+    if settled:
+        lines.append(f"Reserved memory grew for the last time in step {max(settled)} at the latest (of "
+                     f"{len(settled)} cells; median step {statistics.median(settled):g}).")
+    return [*lines, ""] if lines else []
 
 
 def _contexts_before_cells(ran: pd.DataFrame) -> list[str]:

@@ -111,7 +111,9 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
                                    "allocated_gib, reserved_gib) for the build, the first step's forward, backward "
                                    "and optimizer, the last measured step's, and the save (JSON list in order)"),
     ("step_trace_json", "str", "after every step, warm-up first: its stage, its positions per row (the batch's "
-                               "padded length), and on the GPU allocated_gib and reserved_gib (JSON list)"),
+                               "padded length), its time `ms` (warm-up steps by the host clock, the device "
+                               "drained; measured ones as step_ms_*), and on the GPU allocated_gib and "
+                               "reserved_gib (JSON list)"),
     ("segments_json", "str", "GPU: the caching allocator's segments once the measured steps have run, before any "
                              "save (torch.cuda.memory_snapshot): per pool (large, small), [size in bytes, how many] "
                              "(bench/segments.py); what made peak_reserved_gib unless the cache was released since"),

@@ -290,7 +290,7 @@ def _loop(job: trainer.Trainer, batches: list[data.Batch],
     import torch
 
     cuda = job.cell.device == "cuda"
-    losses, timings = [], []
+    losses, timings, unmeasured_s = [], [], []
     stage_s = {"first_step": 0.0, "warmup": 0.0}
     for i, batch in enumerate(batches):
         stage = "first_step" if i == 0 else "warmup" if i < job.cell.warmup_steps else "measure"
@@ -304,11 +304,15 @@ def _loop(job: trainer.Trainer, batches: list[data.Batch],
                 losses.append(job.step(batch, tracker, stage))
             if cuda:
                 torch.cuda.synchronize()
-            stage_s[stage] += time.perf_counter() - began
+            unmeasured_s.append(time.perf_counter() - began)
+            stage_s[stage] += unmeasured_s[-1]
         tracker.step_done(stage, batch.input_ids.shape[-1])
     if cuda:
         torch.cuda.synchronize()
     step_s = [start.elapsed_time(end) / 1000 if cuda else end - start for start, end in timings]
+    # each step's time in the trace: whether the warm-up steps already ran at the measured steps' speed
+    for entry, seconds in zip(tracker.trace, [*unmeasured_s, *step_s], strict=True):
+        entry["ms"] = seconds * 1000
     return [float(x) for x in losses], step_s, stage_s["first_step"], stage_s["warmup"]
 
 

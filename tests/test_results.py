@@ -124,3 +124,26 @@ def test_a_board_names_the_cells_whose_worker_held_a_cuda_context_before_them() 
     board = report.leaderboard(held, "cmd")
     assert "**1 worker(s) held a CUDA context before their cell**" in board
     assert f"`{frame['cell_id'].iloc[2]}`" in board.split("held a CUDA context")[1].splitlines()[0]
+
+
+def test_a_board_says_whether_the_warm_up_steps_were_enough() -> None:
+    """From each cell's step trace: the step after which reserved stopped growing (the H200 run: the second,
+    in every cell) and, once steps carry their time, the last warm-up step against the measured median."""
+    import json
+
+    from bench import report
+
+    published = Path(__file__).resolve().parents[1] / "results" / "llama3b" / "runs" / "llama3b-h200-20261127.parquet"
+    frame = results.read_parquet(published)
+    board = report.leaderboard(frame, "cmd")
+    assert "Reserved memory grew for the last time in step 2 at the latest (of 11 cells; median step 2)" in board
+    assert "Warm-up:" not in board  # this run's steps carry no time
+
+    def timed(trace: str, p50: float, slower: float) -> str:
+        steps = json.loads(trace)
+        return json.dumps([{**t, "ms": p50 * (slower if t["stage"] == "warmup" else 1)} for t in steps])
+
+    pairs = zip(frame["step_trace_json"], frame["step_ms_p50"], strict=True)
+    frame["step_trace_json"] = [timed(t, p50, 1.5 if i == 0 else 1.0) for i, (t, p50) in enumerate(pairs)]
+    board = report.leaderboard(frame, "cmd")
+    assert "the last warm-up step took 1.00× the measured median step (median over 11 cells; 1.00-1.50)" in board

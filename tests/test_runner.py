@@ -103,6 +103,8 @@ def test_stacks_prove_they_applied_and_exact_ones_keep_the_losses(workdir: Path)
     dynamic = by_stack["dynamic_padding(order=sorted)"]
     trace = json.loads(dynamic["step_trace_json"])
     assert [t["stage"] for t in trace] == ["first_step", "warmup", "measure", "measure", "measure"]
+    measured_ms = sorted(t["ms"] for t in trace[2:])  # each step timed; the measured ones are step_ms_*
+    assert all(t["ms"] > 0 for t in trace) and measured_ms[1] == pytest.approx(dynamic["step_ms_p50"], rel=1e-6)
     widths = [t["positions"] for t in trace]
     assert widths == sorted(widths) and widths[-1] <= 32 and len(set(widths)) > 1
     assert dynamic["tokens_per_step"] == round(2 * sum(widths[2:]) / 3) < 2 * 32
