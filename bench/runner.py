@@ -116,8 +116,9 @@ class Spares:
     Why several: on an H200 host a worker's imports took 11-15 s while most cells ran for 4-10 s after
     their handover, so with one worker ahead the cells of llama3b-h200-20261127 waited 44 s of their
     121 s for imports. Started `ahead` cells early, a worker has the time of that many cells to import.
-    Each costs an idle interpreter's host RAM (torch and transformers imported) while it waits, and
-    never touches CUDA, so the running cell's device figures are its own."""
+    Each costs an idle interpreter's host RAM while it waits (on this 2-core CPU host, torch 2.13 for CPU:
+    429 MB with Llama's code imported, 484 MB with peft, bitsandbytes and Liger too), and never touches
+    CUDA, so the running cell's device figures are its own (each row's `context_before_cell` checks it)."""
 
     def __init__(self, ahead: int, raw_dir: Path):
         self.ahead, self.raw_dir = ahead, raw_dir
