@@ -85,24 +85,7 @@ def segments_made(events: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
     """Replays the events through the model: (the event made for, bytes) of each segment it makes."""
     from bench.predict import allocator
 
-    state = allocator.Replay()
-    live: dict[int, allocator.Block] = {}
-    made: list[tuple[int, int]] = []
-    for index, (kind, ident, nbytes, stream) in enumerate(events):
-        if kind == "release":
-            state.release()
-        elif nbytes == 0:  # as allocator.replay: no block
-            continue
-        elif kind == "free":
-            state.free(live.pop(ident))
-        elif kind == "malloc":
-            before = state.reserved_bytes
-            block = state.malloc(nbytes, stream)
-            assert block is not None  # no capacity: never an OOM
-            live[ident] = block
-            if state.reserved_bytes > before:
-                made.append((index, state.reserved_bytes - before))
-    return made
+    return allocator.replay(events).made
 
 
 def who_made(events: list[tuple[Any, ...]], made: list[tuple[int, int]]) -> dict[int, list[str]]:

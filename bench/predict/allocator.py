@@ -136,6 +136,7 @@ class Replay:
     peak_reserved_bytes: int = 0
     oom_at: int | None = None  # index of the request that could not be served
     samples: list[int] = field(default_factory=list)  # reserved bytes at the positions asked for
+    made: list[tuple[int, int]] = field(default_factory=list)  # (request's event index, bytes) where reserved grew
     retries: int = 0  # new segments that did not fit until the cache was released (num_alloc_retries)
     segments: dict[int, int] = field(default_factory=dict)  # segment id -> size
     _heads: dict[int, Block] = field(default_factory=dict)  # segment id -> its first block
@@ -320,6 +321,7 @@ class ExpandableReplay:
     peak_reserved_bytes: int = 0
     oom_at: int | None = None
     samples: list[int] = field(default_factory=list)
+    made: list[tuple[int, int]] = field(default_factory=list)  # as Replay's: where mapping grew reserved
     retries: int = 0
     # (stream, small pool?) -> its address range, in pieces (one expandable segment per stream and pool)
     _spans: dict[tuple[int, bool], list[Span]] = field(default_factory=lambda: defaultdict(
@@ -552,10 +554,13 @@ def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
         if kind == "release":
             state.release()
             continue
+        before = state.reserved_bytes
         block = state.malloc(nbytes, *stream)
         if block is None:
             state.oom_at = index
             break
         live[ident] = block
+        if state.reserved_bytes > before:  # a segment made (or pages mapped) for this request
+            state.made.append((index, state.reserved_bytes - before))
     state.samples += [state.reserved_bytes] * len(wanted) if state.oom_at is None else []
     return state
