@@ -7,7 +7,8 @@ bench/trainer.py, exactly as every other caller builds it.
 It is started by the runner with the cell's environment already set (allocator settings must be in
 place before torch is imported), imports the heavy libraries, then waits for its cell on stdin;
 so the runner can start the next worker while the current cell runs, hiding the import time.
-Nothing touches CUDA before the cell arrives: the NVML baseline is read first.
+No CUDA context is made before the cell arrives (the imports may ask torch about the GPU, which should make
+none; each row's `context_before_cell` checks it): the NVML baseline is read first.
 
 Protocol: one JSON line on stdin, {"cell": Cell.to_json(), "out": path}; the worker writes the
 columns it measured (with a status) to `out` atomically, and the runner assembles the row. EOF on
