@@ -58,7 +58,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
                         "preforked) to the worker's exit, s: what the cell cost the host"),
     ("preforked", "bool", "the worker was started while an earlier cell ran (--prefork): its imports overlapped it "
                           "(the part this cell still waited for: imports_wait_s)"),
-    ("imports_s", "float", "worker process start to torch, transformers and the model's code imported, s"),
+    ("imports_s", "float", "worker process start to torch, transformers, the model's code and the stack's slow "
+                           "modules (Technique.preload) imported, s"),
     ("context_before_cell", "bool", "the worker held a CUDA context before its cell arrived (it should not: "
                                     "while it waited, it would have held device memory in the running cell's "
                                     "NVML figures); empty on a CPU host"),

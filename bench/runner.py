@@ -7,8 +7,8 @@
 - Workers die with the runner (PR_SET_PDEATHSIG), so a killed run leaves nothing on the GPU.
 - After an OOM at batch b, larger batches of the same model/seq/stack are recorded as skipped.
 - With `prefork` N, the workers of the next N cells are started while the current one runs: each
-  imports torch and transformers (13 s on an H200 host) and waits, untouched by CUDA, until its cell
-  is handed over. One ahead is not enough where cells are shorter than the imports (`Spares`).
+  imports torch and transformers (13 s on an H200 host) and waits, without a CUDA context, until its
+  cell is handed over. One ahead is not enough where cells are shorter than the imports (`Spares`).
 - A cell of several GPUs runs under torchrun (one worker per rank, the request in a file); its
   ranks' rows are merged into one (bench/ranks.py). torchrun's rendezvous is what would carry a
   cell across nodes; here every cell runs on this host (--standalone).
@@ -84,7 +84,7 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
     _prebuild_ops([pc.cell for pc in todo if not pc.skip_reason])
     progress.start(len(todo))
-    spares = Spares(opts.prefork, raw_dir)
+    spares = Spares(raw_dir)
     try:
         for index, pc in enumerate(todo):
             cell = pc.cell
@@ -115,13 +115,13 @@ class Spares:
 
     Why several: on an H200 host a worker's imports took 11-15 s while most cells ran for 4-10 s after
     their handover, so with one worker ahead the cells of llama3b-h200-20261127 waited 44 s of their
-    121 s for imports. Started `ahead` cells early, a worker has the time of that many cells to import.
+    121 s for imports. Started N cells early (--prefork N), a worker has the time of N cells to import.
     Each costs an idle interpreter's host RAM while it waits (on this 2-core CPU host, torch 2.13 for CPU:
-    429 MB with Llama's code imported, 484 MB with peft, bitsandbytes and Liger too), and never touches
-    CUDA, so the running cell's device figures are its own (each row's `context_before_cell` checks it)."""
+    429 MB with Llama's code imported, 484 MB with peft, bitsandbytes and Liger too), and makes no CUDA
+    context, so the running cell's device figures are its own (each row's `context_before_cell` checks it)."""
 
-    def __init__(self, ahead: int, raw_dir: Path):
-        self.ahead, self.raw_dir = ahead, raw_dir
+    def __init__(self, raw_dir: Path):
+        self.raw_dir = raw_dir
         self.waiting: dict[str, Worker] = {}  # row key -> its worker
 
     def take(self, cell: Cell) -> Worker | None:
@@ -129,9 +129,9 @@ class Spares:
         return self.waiting.pop(cell.row_key, None)
 
     def start(self, upcoming: list[Cell]) -> None:
-        """Workers for the first `ahead` of the upcoming cells that lack one; those of cells no longer
-        upcoming (pruned after an OOM) are stopped. torchrun starts a cell of several GPUs itself."""
-        wanted = [c for c in upcoming[:self.ahead] if c.gpus == 1]
+        """Workers for the upcoming cells that lack one; those of cells no longer upcoming (pruned after
+        an OOM) are stopped. torchrun starts a cell of several GPUs itself."""
+        wanted = [c for c in upcoming if c.gpus == 1]
         for key in set(self.waiting) - {c.row_key for c in wanted}:
             _discard(self.waiting.pop(key))
         for c in wanted:
