@@ -280,7 +280,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["prediction_method"] == "hybrid/12"
+    assert found["prediction_method"] == hybrid.METHOD
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
@@ -656,18 +656,23 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:
     """ZeRO-3 builds on meta and partitions one parameter at a time (tests/test_deferred.py checks the
-    figures against the real engine): with its parameters offloaded, the build holds one whole parameter
-    and the buffers, training holds more, and the peak is training's. ZeRO-2 builds the whole model and flattens it."""
+    figures against the real engine): with its parameters offloaded, the build holds one whole parameter,
+    its partition copied onto the GPU for the gather (on one rank: the parameter again), and the buffers;
+    training holds more, and the peak is training's. ZeRO-2 builds the whole model and flattens it."""
     from bench import trainer
 
     cell = make_cell(SMOKE, "cuda", "llama-3.2-3b", 256, 1, parse_stack("gc + offload(params=true) + zero3"))
     meta = trainer.build_model(cell, device="meta").model
     sizes = {kind: [-(-t.numel() * t.element_size() // BLOCK_BYTES) * BLOCK_BYTES for t in tensors]
              for kind, tensors in (("params", list(meta.parameters())), ("buffers", list(meta.buffers())))}
-    assert hybrid.Build.of(meta, cell).allocated_bytes == max(sizes["params"]) + sum(sizes["buffers"])
+    assert hybrid.Build.of(meta, cell).allocated_bytes == 2 * max(sizes["params"]) + sum(sizes["buffers"])
+    on_four = dataclasses.replace(cell, gpus=4)  # the whole, and a quarter of it copied for the gather
+    quarter = -(-max(p.numel() for p in meta.parameters()) // 4) * 2
+    assert hybrid.Build.of(meta, on_four).allocated_bytes == \
+        -(-4 * quarter // BLOCK_BYTES) * BLOCK_BYTES + -(-quarter // BLOCK_BYTES) * BLOCK_BYTES + sum(sizes["buffers"])
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
-    assert found["peak_phase"] != "build" and found["peak_allocated_gib"] * 2**30 > max(sizes["params"])
+    assert found["peak_phase"] != "build" and found["peak_allocated_gib"] * 2**30 > 2 * max(sizes["params"])
     zero2 = dataclasses.replace(cell, stack=parse_stack("gc + zero2"))
     # ZeRO-2 builds the whole model, then flattens it into one buffer beside it
     flat = -(-sum(p.numel() * p.element_size() for p in meta.parameters()) // BLOCK_BYTES) * BLOCK_BYTES
@@ -1087,7 +1092,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
     assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
-    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == "hybrid/12"
+    assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == hybrid.METHOD
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
     assert rows[("fsdp", 2)]["optimizer_state_gib"] == pytest.approx(rows[("fsdp", 1)]["optimizer_state_gib"] / 2, rel=0.01)
     assert rows[("ddp", 2)]["status"] == "ok"  # PyTorch's DDP on the fake backend: a full replica per rank
