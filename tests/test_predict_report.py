@@ -109,3 +109,26 @@ def test_a_cell_measured_on_two_gpu_kinds_is_two_measurements_each_beside_its_ow
     assert set(on_h100["run_id_predicted"]) == {"same-software"} and (on_h100["reserved_error_frac"] == 0).all()
     text = report.markdown(measured, report.predictions(results_dir, every_software=True))
     assert f"**{len(both)} cells compared** ({both['cell_id'].nunique()} cell ids" in text
+
+
+def test_another_kinds_prediction_stands_in_only_where_the_cards_size_shaped_neither(tmp_path: Path) -> None:
+    """A cell measured on an H200 with only an H100 prediction: compared where that prediction neither
+    retried an allocation nor reserved more than the H200 holds; not where the H100's end shaped it (the
+    allocator freed its cache and reserved less than the H200 measured)."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    h100 = pd.read_parquet(MEASURED_RUN)
+    h200 = h100[(h100["status"] == "ok") & (h100["seq_len"] == 2048)].head(3).copy()
+    h200["run_id"], h200["gpu_name"], h200["gpu_memory_gib"] = "h200-run", "NVIDIA H200", 140.4
+    h200.to_parquet(results_dir / "llama3b" / "runs" / "h200-run.parquet")
+    squeezed, calm, too_big = h200["cell_id"].tolist()
+    for path in (results_dir / "llama3b" / "predicted").glob("*.parquet"):  # every software's H100 predictions
+        predicted = pd.read_parquet(path)
+        predicted.loc[predicted["cell_id"] == squeezed, "alloc_retries"] = 1
+        predicted.loc[predicted["cell_id"] == too_big, "peak_reserved_gib"] = 150.0
+        predicted.to_parquet(path)
+
+    on_h200 = report.checked(results_dir).query("gpu_name == 'NVIDIA H200'")
+    assert on_h200["cell_id"].tolist() == [calm]
+    assert set(on_h200["run_id_predicted"]) == {"same-software"}
+    on_h100 = report.checked(results_dir).query("gpu_name != 'NVIDIA H200'")
+    assert {squeezed, calm}.issubset(on_h100["cell_id"])  # on its own kind a prediction always stands
