@@ -19,6 +19,7 @@ from bench import models, segments, spec, trainer
 from bench.cells import make_cell
 from bench.checkpoints import random_checkpoint
 from bench.predict import bnb, fake, gpus, hybrid
+from bench.predict import runner as predict_runner
 from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces
 from bench.predict.pinned import PinnedHostCache, block_bytes
 from bench.stacks import parse_stack
@@ -1090,7 +1091,7 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet")
     rows = {(r["stack"], r["gpus"]): r for r in table.to_dict("records")}
-    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == "fake-run/6"
+    assert rows[("baseline", 1)]["status"] == "ok" and rows[("baseline", 1)]["prediction_method"] == predict_runner.METHOD
     assert rows[("baseline", 1)]["device"] == "cuda"  # predicted for the GPU: the ids of a GPU run
     assert rows[("zero2", 1)]["status"] == "ok" and rows[("zero2", 1)]["prediction_method"] == hybrid.METHOD
     assert rows[("fsdp", 2)]["status"] == "ok"  # its ranks on torch's fake process group
@@ -1487,3 +1488,16 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
     assert path is not None and path.stat().st_size > 10_000
     liger = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("liger")), h100)
     assert liger["status"] == "ok" and liger["step_tflop"] is None  # its matmuls run in Triton: not counted
+
+
+def test_a_threads_cublas_workspace_is_taken_after_its_first_gemms_output() -> None:
+    """As the H200's traces order them (tools/cell_trace.py compare): at::mm allocates its output, then its
+    GEMM takes the thread's cuBLAS handle and the handle's workspace; the thread's next GEMM takes none."""
+    import torch
+
+    a, b = torch.ones(64, 64), torch.ones(64, 64)
+    with MemoryCounter(Workspaces(32 * 2**20)) as counter:
+        first, second = a @ b, a @ b
+    assert [(r.op, r.nbytes) for r in counter.records] == [
+        ("mm", 64 * 64 * 4), ("cublas workspace (forward thread)", 32 * 2**20), ("mm", 64 * 64 * 4)]
+    del first, second

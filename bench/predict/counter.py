@@ -222,12 +222,14 @@ class MemoryCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self._settle()  # an accumulation the previous op left pending: its first operand outlived it
         op = func.overloadpacket.__name__
-        if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
-            self._workspace_for(self.workspaces.thread_of(self.where))
         scratch = self.kernel_scratch(op, args, kwargs or {})
         made = [self._scratch(nbytes, op) for nbytes in scratch.before]
         try:
             out = self._dispatch(func, op, args, kwargs or {})
+            if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
+                # the GEMM asks for its thread's handle once its outputs exist (the GPU's traces: the mm's
+                # output, then the workspace)
+                self._workspace_for(self.workspaces.thread_of(self.where))
             made += [self._scratch(nbytes, op) for nbytes in scratch.after]
             return out
         finally:
