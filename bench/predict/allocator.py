@@ -134,6 +134,10 @@ class Replay:
     fraction: bool = False  # the capacity is a memory fraction's allowance, not the card's end
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
+    # the blocks handed out, as torch's allocated_bytes counts them: a block not split keeps its tail
+    # (a large one up to 1 MiB past the request), so this exceeds the requests' sum
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
     oom_at: int | None = None  # index of the request that could not be served
     samples: list[int] = field(default_factory=list)  # reserved bytes at the positions asked for
     made: list[tuple[int, int]] = field(default_factory=list)  # (request's event index, bytes) where reserved grew
@@ -319,6 +323,8 @@ class ExpandableReplay:
     capacity_bytes: int | None = None
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
+    allocated_bytes: int = 0  # as Replay's (here every block is split down to its request)
+    peak_allocated_bytes: int = 0
     oom_at: int | None = None
     samples: list[int] = field(default_factory=list)
     made: list[tuple[int, int]] = field(default_factory=list)  # as Replay's: where mapping grew reserved
@@ -549,7 +555,9 @@ def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
         if nbytes == 0 and kind != "release":  # an empty tensor: CUDA's allocator returns a null pointer, no block
             continue
         if kind == "free":
-            state.free(live.pop(ident))
+            block, size = live.pop(ident)
+            state.allocated_bytes -= size
+            state.free(block)
             continue
         if kind == "release":
             state.release()
@@ -559,7 +567,9 @@ def replay(events: Iterable[tuple[Any, ...]], capacity_bytes: int | None = None,
         if block is None:
             state.oom_at = index
             break
-        live[ident] = block
+        live[ident] = block, block.size  # its size as handed out: freeing merges it with its neighbours
+        state.allocated_bytes += block.size
+        state.peak_allocated_bytes = max(state.peak_allocated_bytes, state.allocated_bytes)
         if state.reserved_bytes > before:  # a segment made (or pages mapped) for this request
             state.made.append((index, state.reserved_bytes - before))
     state.samples += [state.reserved_bytes] * len(wanted) if state.oom_at is None else []

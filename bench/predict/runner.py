@@ -34,7 +34,8 @@ METHOD = "fake-run/7"  # bump when what a prediction counts changes (2: reserved
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
 # their config: Llama-3.2-1B/3B's, Qwen2.5-0.5B/1.5B's; 7: a thread's cuBLAS workspace after its first GEMM's
 # outputs, as the H200's traces order them, which moved peak reserved in 2 of the 76 measured llama3b cells:
-# `mixed` s1024 b2 and s2048 b1, +0.78% -> -0.02%)
+# `mixed` s1024 b2 and s2048 b1, +0.78% -> -0.02%; and peak allocated as torch counts it, whole blocks handed
+# out (a block not split keeps its tail) from the allocator's replay, no longer the requests' sum)
 
 
 @dataclass(frozen=True)
