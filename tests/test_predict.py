@@ -1506,3 +1506,28 @@ def test_a_threads_cublas_workspace_is_taken_after_its_first_gemms_output() -> N
     assert [(r.op, r.nbytes) for r in counter.records] == [
         ("mm", 64 * 64 * 4), ("cublas workspace (forward thread)", 32 * 2**20), ("mm", 64 * 64 * 4)]
     del first, second
+
+
+@pytest.mark.parametrize("optimizer_too", [True, False])
+def test_offloaded_zero3_parameters_leave_their_own_pinned_partitions_in_torchs_cache(optimizer_too: bool) -> None:
+    """ZeRO-3 with its parameters on the host pins each parameter's 16-bit partition alone as it
+    partitions, then copies the trained ones into one flat pinned buffer; torch's caching host allocator
+    keeps the dropped blocks (each the next power of two), so a GPU host holds both. A CPU pins nothing and
+    keeps neither: there the parameters' host bytes are the flat partition alone."""
+    from bench.predict.pinned import block_bytes
+
+    numels = [3_000_000, 1_000_000, 4096]
+    layout = hybrid.Layout.all_trained(numels)
+    offload = "offload" if optimizer_too else "offload(optimizer=false)"
+
+    def host_bytes(stack: str, cpu_check: bool) -> int:
+        cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
+        return hybrid.model_states(cell, layout, largest_layer_params=3_000_000, cpu_check=cpu_check).host_bytes
+
+    def params_on_host(cpu_check: bool) -> int:
+        with_params = host_bytes(f"{offload}(params=true) + zero3".replace(")(", ", "), cpu_check)
+        return with_params - (host_bytes(f"{offload} + zero3", cpu_check) if optimizer_too else 0)
+
+    flat = 2 * sum(numels)
+    assert params_on_host(cpu_check=True) == flat
+    assert params_on_host(cpu_check=False) == block_bytes(flat) + sum(block_bytes(2 * n) for n in numels)
