@@ -74,7 +74,7 @@ def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool
     ok = predicted[predicted["status"] == "ok"]
     both = measured.merge(ok, on="cell_id", suffixes=("", "_predicted"))
     both["same_gpu"] = both["gpu_kind"].map(GPU_NAMES) == both["gpu_name"]
-    both = both[both["same_gpu"] | _size_free(both)]
+    both = both[both["same_gpu"].fillna(False).astype(bool) | _size_free(both)]
     both["same_software"] = software(both) == software(both, "_predicted")
     both["software_predicted"] = software(both, "_predicted")
     both = both.sort_values(["same_software", "same_gpu", "started_at_predicted"], kind="stable")
@@ -90,9 +90,14 @@ def _size_free(both: pd.DataFrame) -> pd.Series:
     to retry an allocation, and the predicted reserved fits the measured card. Else the card's size shaped
     the figures: an allocator near its card's end frees cached blocks and reserves less (ZeRO-2 on
     Llama-3.2-3B: 77.9 GiB predicted under an H100's 79.6 with one retry, 89.8 measured on an H200).
-    A prediction older than the retries column counts as calm; the size test still applies to it."""
-    calm = (both["alloc_retries"].fillna(0) == 0) & (both["alloc_retries_predicted"].fillna(0) == 0)
-    return calm & (both["peak_reserved_gib_predicted"] < both["gpu_memory_gib"])
+    A prediction older than the retries column counts as calm; a card of unknown size is not tested."""
+    def number(column: str) -> pd.Series:
+        return pd.to_numeric(both[column], errors="coerce").astype(float)  # an absent figure: NaN
+
+    calm = (number("alloc_retries").fillna(0) == 0) & (number("alloc_retries_predicted").fillna(0) == 0)
+    card_gib = number("gpu_memory_gib")
+    within = card_gib.isna() | (number("peak_reserved_gib_predicted") < card_gib)  # a size unknown: no test
+    return calm & within
 
 
 def checked(results_dir: Path) -> pd.DataFrame:
