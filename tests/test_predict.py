@@ -1533,3 +1533,47 @@ def test_offloaded_zero3_parameters_leave_their_own_pinned_partitions_in_torchs_
     flat = 2 * sum(numels)
     assert params_on_host(cpu_check=True) == flat
     assert params_on_host(cpu_check=False) == block_bytes(flat) + sum(block_bytes(2 * n) for n in numels)
+
+
+def test_cudnns_attention_backward_takes_flashs_pieces_as_one_workspace_on_hopper() -> None:
+    """Where sdpa ranks cuDNN's kernel first (sm90/sm100, torch 2.10 on), the backward's scratch is one block:
+    the H200's trace of Llama-3.2-3B (24 query heads, 8 K/V heads, head_dim 128) at batch 2 x 2048 tokens took
+    101,057,024 B in each layer's backward; elsewhere flash's pieces stay apart."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import attention
+
+    with FakeTensorMode():
+        query = torch.empty(2, 2048, 24, 128, dtype=torch.bfloat16).transpose(1, 2)
+        key, value = (torch.empty(2, 2048, 8, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in "kv")
+        args = (query.clone(), query, key, value, query.clone(), torch.empty(2, 24, 2048), 0.0, True, None, None)
+        flash = attention.flash_backward_scratch(attention.FLASH_BACKWARD_OP, args, {})
+        cudnn = attention.cudnn_backward_scratch(attention.FLASH_BACKWARD_OP, args, {})
+    assert cudnn.after == (101_057_024,) and sum(flash.after) + 512 == 101_057_024 and len(flash.after) == 4
+    major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    on_hopper = attention.backward_scratch(gpus.get("h100"))
+    assert on_hopper is (attention.cudnn_backward_scratch if major_minor >= (2, 10) else attention.flash_backward_scratch)
+    assert attention.backward_scratch(gpus.get("a100")) is attention.flash_backward_scratch
+
+
+@pytest.mark.parametrize(("shape", "dims", "scratch"), [
+    ((2, 2048, 3072), [0, 1], 100_663_296),  # the H200's trace: a norm's weight gradient at batch 2 x 2048 tokens
+    ((1, 1024, 3072), [0, 1], 25_165_824),  # and at batch 1 x 1024
+    ((1, 512, 3072), [0, 1], None),  # fewer rows than the traces showed: none assumed
+    ((2, 2048, 3072), [2], None),  # a row sum (a norm's variance): none
+])
+def test_a_column_sum_over_many_rows_takes_a_partial_sum_buffer_freed_as_it_returns(
+        shape: tuple[int, ...], dims: list[int], scratch: int | None) -> None:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import reduction
+
+    with FakeTensorMode(), MemoryCounter(kernel_scratch=reduction.column_sum_scratch) as counter:
+        summed = torch.empty(shape, dtype=torch.bfloat16).sum(dims)
+    made = [r for r in counter.records if r.op == "sum (scratch)"]
+    assert [r.nbytes for r in made] == ([] if scratch is None else [scratch])
+    output = next(r for r in counter.records if r.op == "sum")
+    assert all(output.made < r.made and r.freed is not None for r in made)  # after the output, gone at return
+    del summed

@@ -30,17 +30,25 @@ an order the kernel does not have.
 
 Which kernel the GPU runs is sdpa's choice per call: flash for a call without a mask in bf16/fp16
 with head_dim at most 256 on sm80 and newer, unless cuDNN's kernel ranks first (torch 2.10 and newer
-with a runtime cuDNN above 9.15.0 on sm90/sm100) and takes the call. The published rows do not say
-which ran, so flash is an assumption here; rows measured from now on record the attention ops that
-ran and the runtime cuDNN (evidence `attention_ops`, `cudnn_version`: bench/kernels.py). A call with
-a mask (padding, packing) runs another kernel on the GPU: no scratch is modelled for it.
+with a runtime cuDNN above 9.15.0 on sm90/sm100) and takes the call. Rows record the attention ops that
+ran and the runtime cuDNN (evidence `attention_ops`, `cudnn_version`: bench/kernels.py): on the H200
+(torch 2.11 for CUDA 13, cuDNN 9.19) every cell ran `_scaled_dot_product_cudnn_attention`, and so, from the
+same image, did the H100 runs before the evidence was kept. There cuDNN's backward allocates, after dQ, dK
+and dV, one workspace freed as it returns: in the H200's cell traces (Llama-3.2-3B, grouped-query) exactly
+the bytes of FlashAttention-2's softmax_d, dq_accum and expanded dK and dV together, plus 512 B, at batch 2
+x 2048 tokens (101,057,024 B, one per layer) and batch 1 x 1024 (25,264,640 B). `backward_scratch` picks
+cuDNN's on sm90/sm100 under torch 2.10 and newer (a torch built for CUDA 12 with an older cuDNN runs
+flash there: the prediction assumes the CUDA 13 builds' cuDNN), flash's elsewhere. Its contiguous copies
+are taken to be flash's (a model's attention makes none). A call with a mask (padding, packing) runs
+another kernel on the GPU: no scratch is modelled for it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .counter import NO_SCRATCH, Scratch
+from .counter import NO_SCRATCH, KernelScratch, Scratch
+from .gpus import GpuKind
 
 FLASH_BACKWARD_OP = "_scaled_dot_product_flash_attention_for_cpu_backward"  # the fake run's sdpa backward
 FLASH_DTYPES = ("torch.bfloat16", "torch.float16")
@@ -49,6 +57,29 @@ FLASH_MAX_HEAD_DIM = 256
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+CUDNN_EXTRA_BYTES = 512  # cuDNN's backward workspace beyond flash's pieces, in both traces
+CUDNN_FIRST_CAPABILITIES = ((9, 0), (10, 0))  # where sdpa ranks cuDNN's kernel first (torch 2.10 on)
+
+
+def backward_scratch(gpu: GpuKind) -> KernelScratch:
+    """The attention backward's scratch on this GPU kind under the installed torch: cuDNN's where sdpa
+    runs it first, else flash's (see the module's text)."""
+    import torch
+
+    major_minor = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if gpu.compute_capability in CUDNN_FIRST_CAPABILITIES and major_minor >= (2, 10):
+        return cudnn_backward_scratch
+    return flash_backward_scratch
+
+
+def cudnn_backward_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+    """cuDNN's attention backward: flash's pieces after dQ, dK, dV as one workspace, 512 B more."""
+    flash = flash_backward_scratch(op, args, kwargs)
+    if not flash.after:
+        return flash
+    return Scratch(before=flash.before, after=(sum(flash.after) + CUDNN_EXTRA_BYTES,))
 
 
 def flash_backward_scratch(op: str, args: Any, kwargs: Any) -> Scratch:

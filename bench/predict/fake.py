@@ -21,8 +21,9 @@ Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flas
 CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
-kernels allocate inside their op (flash attention's backward: bench/predict/attention.py;
-bitsandbytes' 4-bit matmul: bench/predict/bnb.py; cuSOLVER's SVD, GaLore's: bench/predict/lowrank.py).
+kernels allocate inside their op (the attention's backward, cuDNN's or flash's: bench/predict/attention.py;
+a column sum's partial sums: bench/predict/reduction.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py;
+cuSOLVER's SVD, GaLore's: bench/predict/lowrank.py).
 
 Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
 process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
@@ -47,7 +48,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, lowrank, save
+from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, lowrank, reduction, save
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -239,9 +240,10 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
 
 def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
-    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, flash attention's backward,
+    kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, the attention's backward,
     cuSOLVER's SVD)."""
-    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.flash_backward_scratch, lowrank.svd_scratch)
+    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.backward_scratch(gpu), lowrank.svd_scratch,
+                          reduction.column_sum_scratch)
     return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
 
 
