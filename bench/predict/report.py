@@ -91,8 +91,10 @@ def _size_free(both: pd.DataFrame) -> pd.Series:
     the figures: an allocator near its card's end frees cached blocks and reserves less (ZeRO-2 on
     Llama-3.2-3B: 77.9 GiB predicted under an H100's 79.6 with one retry, 89.8 measured on an H200).
     A prediction older than the retries column counts as calm; a card of unknown size is not tested."""
-    def number(column: str) -> pd.Series:
-        return pd.to_numeric(both[column], errors="coerce").astype(float)  # an absent figure: NaN
+    def number(column: str) -> pd.Series:  # an absent figure or column (an older table's): NaN
+        if column not in both:
+            return pd.Series(float("nan"), index=both.index)
+        return pd.to_numeric(both[column], errors="coerce").astype(float)
 
     calm = (number("alloc_retries").fillna(0) == 0) & (number("alloc_retries_predicted").fillna(0) == 0)
     card_gib = number("gpu_memory_gib")
