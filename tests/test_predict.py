@@ -1579,3 +1579,48 @@ def test_a_column_sum_over_many_rows_takes_a_partial_sum_buffer_freed_as_it_retu
     output = next(r for r in counter.records if r.op == "sum")
     assert all(output.made < r.made and r.freed is not None for r in made)  # after the output, gone at return
     del summed
+
+
+def test_a_gradient_sum_is_in_place_unless_its_operand_is_itself_a_view() -> None:
+    """Autograd sums two gradients of one input in place when it holds the last reference to the first
+    (can_accumulate_inplace): a view of it made and dropped before does not stop that (the H200's traces of a
+    Llama layer's backward: no allocation for such sums), an operand that is a view does."""
+    import torch
+
+    class Doubled(torch.autograd.Function):
+        as_view = False  # whether backward hands on its gradient as a view
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            out = grad * 2
+            assert out.t().shape == out.shape  # a view of the gradient, made and dropped
+            return out.t().t() if Doubled.as_view else out
+
+    def sums(as_view: bool) -> list[tuple[int, bool]]:
+        Doubled.as_view = as_view
+        x = torch.ones(512, 512, requires_grad=True)
+        y = Doubled.apply(x) + Doubled.apply(x)
+        with MemoryCounter() as counter:
+            counter.where = "step/backward"
+            y.backward(torch.ones_like(y))
+        return counter.sums
+
+    assert sums(as_view=False) == [(512 * 512 * 4, True)]  # summed into the first gradient's block
+    assert sums(as_view=True) == [(512 * 512 * 4, False)]  # a new tensor, as a plain run makes it
+
+
+def test_a_gradient_summed_in_place_keeps_its_operands_block_in_the_allocators_trace() -> None:
+    """In the allocator's trace an in-place sum neither frees its operand nor allocates: the block goes on,
+    freed under the operand's id when the sum dies."""
+    from bench.predict import allocator
+    from bench.predict.counter import Record
+
+    size = 2**21
+    records = [Record(size, 0, "step/backward", "mm", freed=2), Record(size, 1, "step/backward", "mm", freed=2),
+               Record(size, 2, "step/backward", "add", freed=3, takes_over=0)]
+    assert allocator.trace(records) == [("malloc", 0, size, 0), ("malloc", 1, size, 0), ("free", 1, size, 0),
+                                        ("free", 0, size, 0)]

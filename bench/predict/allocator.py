@@ -442,16 +442,24 @@ def segment_size(nbytes: int) -> int:
 def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int, int]]:
     """The counter's records (bench/predict/counter.py) as the allocator saw them, in order: each
     allocation and free, with the stream it was allocated on; a free before an allocation of the same
-    instant (a gradient summed in place takes over its operand's block); records that never counted
-    left out. `releases`: the counter's event counts at which the cache was emptied
+    instant. A gradient summed in place (`Record.takes_over`) neither frees its operand nor allocates:
+    it keeps the operand's block, freed under the operand's id when the sum dies (a free and a new
+    allocation would let the allocator merge the block and place the sum elsewhere). Records that never
+    counted are left out. `releases`: the counter's event counts at which the cache was emptied
     (torch.cuda.empty_cache), a "release" event each."""
+    records = list(records)
+    taken = {r.takes_over for r in records if r.takes_over is not None and r.made >= 0 and r.freed != r.made}
+    block_of: dict[int, int] = {}  # a record continuing another's block -> the record that allocated it
     events = [(at, -1, "release", -1, 0, 0) for at in releases]
     for ident, record in enumerate(records):
         if record.made < 0 or record.freed == record.made:
             continue
-        events.append((record.made, 1, "malloc", ident, record.nbytes, record.stream))
-        if record.freed is not None:
-            events.append((record.freed, 0, "free", ident, record.nbytes, record.stream))
+        if record.takes_over is not None:  # the same block: no free, no allocation, as on the GPU
+            block_of[ident] = block_of.get(record.takes_over, record.takes_over)
+        else:
+            events.append((record.made, 1, "malloc", ident, record.nbytes, record.stream))
+        if record.freed is not None and ident not in taken:
+            events.append((record.freed, 0, "free", block_of.get(ident, ident), record.nbytes, record.stream))
     return [(kind, ident, nbytes, stream) for _, _, kind, ident, nbytes, stream in sorted(events)]
 
 

@@ -62,8 +62,8 @@ class Record:
     op: str
     freed: int | None = None  # event index of the free; None: alive at the end
     role: str | None = None  # None until known: then "temporary"
-    viewed: bool = False  # a view op returned a tensor over it (see _is_gradient_sum)
     stream: int = 0  # the stream current when it was allocated: 0 the default, 1, 2, ... others as they appear
+    takes_over: int | None = None  # a gradient summed in place: the record whose block it continues
 
 
 @dataclass(frozen=True)
@@ -254,8 +254,6 @@ class MemoryCounter(TorchDispatchMode):
             if tensor.is_meta:
                 continue  # holds no memory (a deferred build's parameters)
             self.track(tensor, op)
-            if func.is_view and op != "detach":  # a detached tensor keeps no base alive: not a view to autograd
-                self.records[self._record_of[tensor.untyped_storage()]].viewed = True
         return out
 
     def _scratch(self, nbytes: int, op: str) -> int:
@@ -376,10 +374,13 @@ class MemoryCounter(TorchDispatchMode):
     # then drops the old one: a transient allocation a GPU run does not make. So such an add is held
     # pending: if its first operand dies before the next op, the plain run would have reused it (the
     # bytes move over, no allocation); if it is still alive, the sum was a real allocation and is
-    # counted then. An operand over a storage some view op returned is summed out of place by a plain
-    # run too (seen with torch's profiler: a tied bf16 embedding's gradient arrives from lm_head as a
-    # transposed view and is added out of place; an fp32 one, cast back by autocast, in place), but
-    # not one `detach` returned (Liger saves its lm_head gradient detached: added in place).
+    # counted then. An operand that is itself a view is summed out of place by a plain run too (seen
+    # with torch's profiler: a tied bf16 embedding's gradient arrives from lm_head as a transposed view
+    # and is added out of place; an fp32 one, cast back by autocast, in place), but not one `detach`
+    # returned (Liger saves its lm_head gradient detached: added in place), nor a tensor some view of
+    # which existed before and is gone (the H200's traces: every such sum in a Llama layer's backward
+    # in place; counting those out of place moved the fake run's blocks away from the GPU's). A sum
+    # taken in place continues its operand's block in the allocator's trace (`Record.takes_over`).
 
     def _is_gradient_sum(self, op: str, args: Any, kwargs: Any, out: Any) -> bool:
         """The engine's gradient sum: an add in backward, grad mode off, two tensors of the result's
@@ -392,7 +393,7 @@ class MemoryCounter(TorchDispatchMode):
 
     def _sum(self, out: torch.Tensor, operand: torch.Tensor) -> None:
         old = self._record_of[operand.untyped_storage()]
-        if self.records[old].viewed:  # out of place in a plain run too
+        if operand._is_view():  # out of place in a plain run too: a view shares its storage with its base
             self.track(out, "add")
             self.sums.append((self.records[self._record_of[out.untyped_storage()]].nbytes, False))
         else:  # pending: in place if the operand dies before the next op
@@ -410,6 +411,7 @@ class MemoryCounter(TorchDispatchMode):
         self._pending = None
         if dying == operand:  # reused in place by a plain run: the operand's bytes become the result's
             self.records[operand].freed = self.records[result].made = self.events
+            self.records[result].takes_over = operand
             self.events += 1
             self.sums.append((self.records[result].nbytes, True))
         else:  # the sum itself died before the next op: it never counted
