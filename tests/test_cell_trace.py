@@ -59,3 +59,17 @@ def test_a_request_the_fake_run_lacks_is_found_with_its_segment(
     assert found["parting"] == 5  # the sixth large request is the GPU's extra one
     assert found["segments"] == {extra: (["1/1 of 314,572,800 B"], [])}
     assert found["model_peak_bytes"] == found["trace_peak_bytes"]  # the model makes the same segments from it
+
+
+def test_a_zero_cell_compares_with_the_hybrids_trace_deepspeeds_blocks_named() -> None:
+    """A ZeRO cell's prediction is the hybrid's trace: the fake run's requests and DeepSpeed's engine's,
+    merged. Its own trace, as CUDA would record it, compares equal, and the engine's large requests (the
+    reduce bucket, the fp32 partition) are named DeepSpeed's, the fake run's by their ops."""
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cuda", "tiny-llama", 256, 2, parse_stack("zero2"))
+    events, records = fake.trace_of(cell, gpus.get("h100"))
+    assert any(ident >= len(records) for _, ident, _, _ in events)  # the engine's blocks are in it
+    found = cell_trace.comparison({"device_trace": _device_rows(events)}, cell, "h100")
+    assert found["model_peak_bytes"] == found["trace_peak_bytes"] > 0
+    assert found["parting"] is None and found["segments"] == {}
+    makers = {(op, where) for _, op, where in found["large"][1]}
+    assert ("deepspeed", "engine") in makers and len(makers) > 1, makers

@@ -15,6 +15,8 @@ and `segments_json`. A few MB gzipped for a 3B model's 13 steps.
    start, where they first part (the fake run's ops around it); and, for each segment size the two
    hold a different number of, which of that size's requests made one on the GPU and in the replay
    of the fake run (the fake run stops after its first measured step; the GPU runs every step).
+A ZeRO cell's prediction is the hybrid's trace (bench/predict/hybrid_trace.py): the fake run's requests
+merged with DeepSpeed's engine's, which `compare` names `deepspeed`.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def first_parting(gpu: list[tuple[Any, ...]], fake: list[tuple[Any, ...]]) -> in
     return next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), None)
 
 
+def made_by(records: list[Any], ident: int) -> tuple[str, str]:
+    """The op and stage/phase that made a block of the prediction's trace; a ZeRO cell's engine blocks
+    (bench/predict/hybrid_trace.py: ids past the fake run's records) are DeepSpeed's."""
+    return (records[ident].op, records[ident].where) if ident < len(records) else ("deepspeed", "engine")
+
+
 def comparison(measured: dict[str, Any], cell: Any, gpu_kind: str) -> dict[str, Any]:
     """A recorded cell (`record`'s file, read) against the model and the fake run: the figures `compare` prints."""
     from bench.predict import allocator, fake, gpus
@@ -123,7 +131,7 @@ def comparison(measured: dict[str, Any], cell: Any, gpu_kind: str) -> dict[str, 
             "requests": (sum(e[0] == "malloc" for e in device.events), sum(e[0] == "malloc" for e in events)),
             "parting": first_parting(device.events, events),
             "large": ([e[2] for e in device.events if e[0] == "malloc" and e[2] > MIB],
-                      [(e[2], records[e[1]].op, records[e[1]].where) for e in events if e[0] == "malloc" and e[2] > MIB]),
+                      [(e[2], *made_by(records, e[1])) for e in events if e[0] == "malloc" and e[2] > MIB]),
             "segments": {size: (theirs.get(size, []), ours.get(size, [])) for size in sorted(set(theirs) | set(ours))
                          if len(theirs.get(size, [])) != len(ours.get(size, []))}}
 

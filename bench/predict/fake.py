@@ -115,11 +115,14 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
 def trace_of(cell: Cell, gpu: GpuKind) -> tuple[list[tuple[str, int, int, int]], list[Record]]:
     """The fake run's allocations and frees as the allocator model replays them, and the counter's records
-    (where and by which op each block was made): to set beside a GPU's own (tools/cell_trace.py). Cells the
-    fake run predicts whole (not the ZeRO hybrid)."""
-    if unsupported_reason(cell) or hybrid.is_hybrid(cell):
-        raise ValueError(f"{cell.cell_id}: not a cell the fake run predicts whole")
+    (where and by which op each block was made): to set beside a GPU's own (tools/cell_trace.py). A ZeRO
+    cell's are the hybrid's (`hybrid.trace_of`): the engine's blocks among them have no record."""
+    reason = unsupported_reason(cell)
+    if reason:
+        raise ValueError(f"{cell.cell_id}: not predicted ({reason})")
     with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
+        if hybrid.is_hybrid(cell):
+            return hybrid.trace_of(cell, gpu)
         counter, _, _ = counted_for(cell, gpu)
     return allocator.trace(counter.records, counter.releases), counter.records
 

@@ -148,7 +148,7 @@ from .. import measure, trainer
 from ..cells import Cell
 from ..stacks import Stack, Use
 from . import allocator, bnb, save
-from .counter import GradientReady, MemoryCounter, Peak, rounded
+from .counter import GradientReady, MemoryCounter, Peak, Record, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
@@ -1048,14 +1048,32 @@ def assembled(cell: Cell, counter: MemoryCounter, gpu: GpuKind, cpu_check: bool 
     model states, phase by phase, beside the fake run's other bytes (`hybrid_columns`), their allocations
     replayed as one trace, and the save's. `cpu_check`: as DeepSpeed's engine makes them on a CPU
     (tools/hybrid_check.py; `model_states`)."""
-    meta = trainer.build_model(cell, device="meta").model
-    layout = Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
-    states = model_states(cell, layout, largest_layer_params(meta), cpu_check)
+    meta, layout, states = _engine_of(cell, counter, cpu_check)
     training = training_peak(counter, states, layout)
     replayed = replayed_columns(cell, counter, states, layout, build_events(meta, cell, cpu_check), gpu)
     out = hybrid_columns(cell, training, kept_between_steps(counter), replayed, states, gpu, Build.of(meta, cell))
     return {**out, **_save(cell, counter, states, list(layout.numels), out), "total_params": layout.loaded_total,
             "trainable_params": sum(layout.trained_numels), "allocations": len(counter.records)}
+
+
+def _engine_of(cell: Cell, counter: MemoryCounter, cpu_check: bool) -> tuple[Any, Layout, ModelStates]:
+    """The model on meta, its parameters' layout on this rank (which train, which are gathered into
+    backward: from the fake run), and DeepSpeed's model states for them."""
+    meta = trainer.build_model(cell, device="meta").model
+    layout = Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
+    return meta, layout, model_states(cell, layout, largest_layer_params(meta), cpu_check)
+
+
+def trace_of(cell: Cell, gpu: GpuKind) -> tuple[list[tuple[str, int, int, int]], list[Record]]:
+    """The allocations `replayed_columns` replays for a ZeRO cell, the build's, the fake run's and the
+    engine's, in order, and the fake run's records (the engine's blocks have ids past them): to set
+    beside a GPU's own (tools/cell_trace.py, through fake.trace_of)."""
+    from . import fake, hybrid_trace
+
+    counter, _, _ = fake.counted_for(activation_cell(cell), gpu)
+    meta, layout, states = _engine_of(cell, counter, cpu_check=False)
+    events, _ = hybrid_trace.engine_trace(counter, states, layout, build_events(meta, cell, False))
+    return events, counter.records
 
 
 def replayed_columns(cell: Cell, counter: MemoryCounter, states: ModelStates, layout: Layout,
