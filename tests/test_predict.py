@@ -1662,3 +1662,26 @@ def test_a_gradient_summed_in_place_keeps_its_operands_block_in_the_allocators_t
                Record(size, 2, "step/backward", "add", freed=3, takes_over=0)]
     assert allocator.trace(records) == [("malloc", 0, size, 0), ("malloc", 1, size, 0), ("free", 1, size, 0),
                                         ("free", 0, size, 0)]
+
+
+def test_the_hybrids_trace_keeps_an_in_place_sums_block_as_the_fake_runs_does() -> None:
+    """A ZeRO cell's trace (bench/predict/hybrid_trace.py) takes the fake run's records as allocator.trace
+    does: a gradient summed in place allocates nothing, its block the operand's; but where the operand is
+    not in the hybrid's trace (a model state: DeepSpeed's engine makes those), the sum is an allocation."""
+    from bench.predict import allocator
+    from bench.predict.counter import Record
+
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero2"))
+    events, records = fake.trace_of(cell, gpus.get("h100"))
+    in_place = [i for i, r in enumerate(records) if r.takes_over is not None]
+    assert in_place  # a Llama layer's backward sums gradients in place
+    allocated = [ident for kind, ident, _, _ in events if kind == "malloc"]
+    assert not set(in_place) & set(allocated) and len(allocated) == len(set(allocated))
+    freed = [ident for kind, ident, _, _ in events if kind == "free"]
+    assert sorted(freed) == sorted(set(freed)) and set(freed) <= set(allocated)  # each block freed once
+
+    size = 2**21
+    weight, sum_ = Record(size, 0, "step/backward", "mm", freed=1, role="gradient"), \
+        Record(size, 1, "step/backward", "add", freed=2, takes_over=0)
+    assert allocator.record_events([weight, sum_], lambda r: r.role != "gradient") == \
+        [((1, 1), ("malloc", 1, size, 0)), ((2, 0), ("free", 1, size, 0))]

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,28 +439,38 @@ def segment_size(nbytes: int) -> int:
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
-def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int, int]]:
-    """The counter's records (bench/predict/counter.py) as the allocator saw them, in order: each
-    allocation and free, with the stream it was allocated on; a free before an allocation of the same
-    instant. A gradient summed in place (`Record.takes_over`) neither frees its operand nor allocates:
-    it keeps the operand's block, freed under the operand's id when the sum dies (a free and a new
-    allocation would let the allocator merge the block and place the sum elsewhere). Records that never
-    counted are left out. `releases`: the counter's event counts at which the cache was emptied
-    (torch.cuda.empty_cache), a "release" event each."""
+def record_events(records: Iterable[Any], kept: Callable[[Any], bool] | None = None
+                  ) -> list[tuple[tuple[int, int], tuple[str, int, int, int]]]:
+    """The counter's records (bench/predict/counter.py) as allocations and frees, each keyed by (the
+    counter's event index, 0 a free | 1 an allocation: a free before an allocation of the same instant),
+    in the records' order, unsorted; records that never counted, or `kept` refuses, left out. A gradient
+    summed in place (`Record.takes_over`) neither frees its operand nor allocates: it keeps the operand's
+    block, freed under the operand's id when the sum dies (a free and a new allocation would let the
+    allocator merge the block and place the sum elsewhere; the H200's traces keep it)."""
     records = list(records)
-    taken = {r.takes_over for r in records if r.takes_over is not None and r.made >= 0 and r.freed != r.made}
+    keep = [r.made >= 0 and r.freed != r.made and (kept is None or kept(r)) for r in records]
+    continues = [r.takes_over is not None and keep[i] and keep[r.takes_over] for i, r in enumerate(records)]
+    taken = {r.takes_over for i, r in enumerate(records) if continues[i]}
     block_of: dict[int, int] = {}  # a record continuing another's block -> the record that allocated it
-    events = [(at, -1, "release", -1, 0, 0) for at in releases]
+    out = []
     for ident, record in enumerate(records):
-        if record.made < 0 or record.freed == record.made:
+        if not keep[ident]:
             continue
-        if record.takes_over is not None:  # the same block: no free, no allocation, as on the GPU
+        if continues[ident]:  # the same block: no free, no allocation, as on the GPU
             block_of[ident] = block_of.get(record.takes_over, record.takes_over)
         else:
-            events.append((record.made, 1, "malloc", ident, record.nbytes, record.stream))
+            out.append(((record.made, 1), ("malloc", ident, record.nbytes, record.stream)))
         if record.freed is not None and ident not in taken:
-            events.append((record.freed, 0, "free", block_of.get(ident, ident), record.nbytes, record.stream))
-    return [(kind, ident, nbytes, stream) for _, _, kind, ident, nbytes, stream in sorted(events)]
+            out.append(((record.freed, 0), ("free", block_of.get(ident, ident), record.nbytes, record.stream)))
+    return out
+
+
+def trace(records: Iterable[Any], releases: Iterable[int] = ()) -> list[tuple[str, int, int, int]]:
+    """The counter's records as the allocator saw them, in order (`record_events`), with the stream each
+    block was allocated on. `releases`: the counter's event counts at which the cache was emptied
+    (torch.cuda.empty_cache), a "release" event each."""
+    events = [((at, -1), ("release", -1, 0, 0)) for at in releases] + record_events(records)
+    return [event for _, event in sorted(events, key=lambda item: (*item[0], item[1][0], item[1][1]))]
 
 
 @dataclass(frozen=True)

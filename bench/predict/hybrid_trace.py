@@ -46,7 +46,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .counter import GradientReady, MemoryCounter
+from . import allocator
+from .counter import GradientReady, MemoryCounter, Record
 from .hybrid import MODEL_STATE_ROLES, Layout, ModelStates, Reduction, ZeroBackward, partition_id, per_rank, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
@@ -129,21 +130,20 @@ def live_at(events: list[Event], positions: list[int]) -> list[int]:
 
 
 def _fake_run_events(counter: MemoryCounter, trace: _Trace) -> None:
-    """The fake run's records that DeepSpeed's step keeps as they are: not model states, not made in the
-    plain optimizer's step (DeepSpeed's own step replaces it), and not the plain build's temporaries (a tied
-    output embedding: hybrid.build_events is the engine's build)."""
-    for ident, record in enumerate(counter.records):
-        if record.made < 0 or record.freed == record.made or (record.role or "temporary") in MODEL_STATE_ROLES:
-            continue
-        if record.where.endswith("/optimizer"):
-            continue
-        if record.where == "build" and (record.role or "temporary") == "temporary":  # `build_events` is the engine's
-            continue
-        trace.keyed.append(((record.made, 1, len(trace.keyed)), ("malloc", ident, record.nbytes, record.stream)))
-        if record.freed is not None:
-            trace.keyed.append(((record.freed, 0, len(trace.keyed)), ("free", ident, record.nbytes, record.stream)))
+    """The fake run's records that DeepSpeed's step keeps as they are (`_kept`), as the allocator sees
+    them (allocator.record_events: a gradient summed in place keeps its operand's block)."""
+    for (at, order), event in allocator.record_events(counter.records, _kept):
+        trace.keyed.append(((at, order, len(trace.keyed)), event))
     for at in counter.releases:
         trace.keyed.append(((at, -1, len(trace.keyed)), ("release", -1, 0, 0)))
+
+
+def _kept(record: Record) -> bool:
+    """Not a model state, not made in the plain optimizer's step (DeepSpeed's own step replaces it), and
+    not the plain build's temporaries (a tied output embedding: hybrid.build_events is the engine's build)."""
+    role = record.role or "temporary"
+    return role not in MODEL_STATE_ROLES and not record.where.endswith("/optimizer") \
+        and not (record.where == "build" and role == "temporary")
 
 
 def _phase_starts(counter: MemoryCounter, phase: str) -> dict[str, int]:
