@@ -58,6 +58,8 @@ def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: P
     assert other[1] == str(len(report.checked(results_dir)))
     reserved, beside = other[3].split(" (")
     assert beside == "0.00% / 0.00%)" and reserved != "0.00% / 0.00%"  # in brackets: the measured run's releases
+    paired = pd.read_parquet(PREDICTED_RUN).set_index("cell_id").loc[report.checked(results_dir)["cell_id"]]
+    assert other[-1].rstrip(" |") == ", ".join(sorted(paired["prediction_method"].unique()))  # the methods beside
     assert "**56 cells compared**" in text  # one pair per measured cell, not one per prediction
 
 

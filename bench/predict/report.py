@@ -248,15 +248,23 @@ def _by_software(measured: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     lines = ["### By software", "",
              f"The measured cells (measured under {', '.join(sorted(set(software(every))))}) predicted under each "
              f"other release: its errors, and in brackets those of the predictions under {reference} of the same "
-             "cells. The tables above use the prediction made with the measured run's releases where there is one.",
+             f"cells ({_methods(every, reference, releases[reference])}). The tables above use the prediction made with "
+             "the measured run's releases where there is one. A release's predictions made by an older method differ "
+             "by the method as well as by the release: the last column names them.",
              "", "| predicted under | cells | allocated: median / max abs error | reserved: median / max abs error | "
-             "reserved over 1% | over 3% |", "|---|---|---|---|---|---|"]
+             "reserved over 1% | over 3% | methods |", "|---|---|---|---|---|---|---|"]
     for other in sorted(set(releases.index) - {reference}):
         shared = releases[other] & releases[reference]
         this, then = (_release_errors(every, label, shared) for label in (other, reference))
         lines.append(f"| {other} | {len(shared)} | " + " | ".join(f"{a} ({b})" for a, b in zip(this, then, strict=True))
-                     + " |")
+                     + f" | {_methods(every, other, shared)} |")
     return [*lines, ""]
+
+
+def _methods(every: pd.DataFrame, release: str, measurements: set[str]) -> str:
+    """The prediction methods of a release's predictions of those measurements, e.g. 'fake-run/9, hybrid/16'."""
+    group = every[(every["software_predicted"] == release) & every["measurement"].isin(measurements)]
+    return ", ".join(sorted(group["prediction_method"].dropna().astype(str).unique()))
 
 
 def _release_errors(every: pd.DataFrame, release: str, measurements: set[str]) -> list[str]:
