@@ -1619,6 +1619,33 @@ def test_a_column_sum_over_many_rows_takes_a_partial_sum_buffer_freed_as_it_retu
     del summed
 
 
+@pytest.mark.parametrize(("tokens", "scratch"), [
+    (4096, 55_357_440),  # the H200's trace: Llama-3.2-3B's embedding (hidden 3072, bf16) at batch 2 x 2048 tokens
+    (1024, None),  # and none at batch 1 x 1024: few indices are summed without sorting
+])
+def test_an_embeddings_backward_over_many_indices_takes_a_partial_sum_buffer_freed_as_it_returns(
+        tokens: int, scratch: int | None) -> None:
+    """The input embedding's weight gradient, as autograd makes it under the counter, with CUDA's scratch:
+    after the gradient, (indices + a tenth) rows of float partial sums, freed as the op returns."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import embedding
+
+    with FakeTensorMode():
+        weight = torch.empty(128256, 3072, dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        out = torch.nn.functional.embedding(ids, weight)
+        with MemoryCounter(kernel_scratch=embedding.backward_scratch) as counter:
+            counter.where = "step/backward"
+            out.backward(torch.ones_like(out))
+    made = [r for r in counter.records if r.op == "embedding_dense_backward (scratch)"]
+    assert [r.nbytes for r in made] == ([] if scratch is None else [scratch])
+    gradient = next(r for r in counter.records if r.op == "embedding_dense_backward")
+    assert gradient.nbytes == 128256 * 3072 * 2
+    assert all(gradient.made < r.made and r.freed == r.made + 1 for r in made)  # after the gradient, gone at once
+
+
 def test_a_gradient_sum_is_in_place_unless_its_operand_is_itself_a_view() -> None:
     """Autograd sums two gradients of one input in place when it holds the last reference to the first
     (can_accumulate_inplace): a view of it made and dropped before does not stop that (the H200's traces of a

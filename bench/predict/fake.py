@@ -22,8 +22,9 @@ CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autoc
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
 kernels allocate inside their op (the attention's backward, cuDNN's or flash's: bench/predict/attention.py;
-a column sum's partial sums: bench/predict/reduction.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py;
-cuSOLVER's SVD, GaLore's: bench/predict/lowrank.py).
+a column sum's partial sums: bench/predict/reduction.py; an embedding's backward over more than 3,072
+indices: bench/predict/embedding.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py; cuSOLVER's SVD,
+GaLore's: bench/predict/lowrank.py).
 
 Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
 process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
@@ -48,7 +49,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, attention, bnb, cce, ddp, fsdp_offload, hybrid, liger, lowrank, reduction, save
+from . import allocator, attention, bnb, cce, ddp, embedding, fsdp_offload, hybrid, liger, lowrank, reduction, save
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -244,9 +245,9 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
 def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
     kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, the attention's backward,
-    cuSOLVER's SVD)."""
+    cuSOLVER's SVD, column sums, the embedding's backward)."""
     scratch = all_scratch(bnb.gemm_4bit_scratch, attention.backward_scratch(gpu), lowrank.svd_scratch,
-                          reduction.column_sum_scratch)
+                          reduction.column_sum_scratch, embedding.backward_scratch)
     return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
 
 
