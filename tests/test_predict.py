@@ -175,13 +175,14 @@ def _collectives_release_their_tensors(dist: Any) -> None:
             before = use_counts(held)
             work = collective(*args, **kwargs)
             deadline = time.monotonic() + 5
-            while not kwargs.get("async_op") and use_counts(held) > before and time.monotonic() < deadline:
+            while not kwargs.get("async_op") and time.monotonic() < deadline \
+                    and any(now > then for now, then in zip(use_counts(held), before, strict=True)):
                 time.sleep(0.001)
             return work
         return call
 
     for name in _GLOO_COLLECTIVES:
-        if hasattr(dist, name):  # all_gather_single, reduce_scatter_single: torch 2.12 on
+        if hasattr(dist, name):  # all_gather_single, reduce_scatter_single: not in torch 2.11
             setattr(dist, name, released(getattr(dist, name)))
 
 
