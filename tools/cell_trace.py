@@ -144,7 +144,10 @@ def compare(matrix_name: str, path: Path, gpu_kind: str) -> None:
         refuse(f"{path}: not a trace `record` wrote ({err})")
     if measured["entries"] >= measured["max_entries"]:
         print("warning: the recorder's buffer was full: the trace lost its start")
-    found = comparison(measured, find_cell(matrix_name, measured["cell_id"]), gpu_kind)
+    try:
+        found = comparison(measured, find_cell(matrix_name, measured["cell_id"]), gpu_kind)
+    except ValueError as err:  # a cell the predictor does not cover (fake.trace_of says why)
+        refuse(str(err))
     peak, model = found["trace_peak_bytes"], found["model_peak_bytes"]
     print(f"{measured['cell_id']} on {measured['gpu']} (torch {measured['torch']}): peak reserved "
           f"{measured['peak_reserved_gib']} GiB; in its trace {peak:,} B")
