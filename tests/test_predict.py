@@ -557,6 +557,29 @@ def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> N
     assert found["peak_reserved_gib"] >= found["peak_allocated_gib"]
 
 
+def test_zero3_gathers_at_each_steps_own_forward_under_dynamic_padding(tmp_path: Path) -> None:
+    """Dynamic padding runs every step, all of one stage ("measure"). Each gathers ZeRO-3's weights at its
+    own forward and frees them in its own backward: the trace holds at its most what the hybrid counts
+    (it once gathered every such step's weights at the first one's forward, and never freed the others)."""
+    from bench.predict import hybrid_trace
+
+    gpu = gpus.get("h100")
+    cell = dataclasses.replace(make_cell(SMOKE, "cuda", models.register_file(_mid_llama(tmp_path)), 64, 2,
+                                         parse_stack("dynamic_padding + zero3")), gpus=2)
+    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
+    assert [step.stage for step in counter.steps].count("measure") > 1
+    found = hybrid.assembled(cell, counter, gpu)
+    meta = trainer.build_model(cell, device="meta").model
+    layout = hybrid.Layout.of(meta, 2, counter.needs_backward, counter.fed_without_gradient)
+    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
+    assert states.gathered_bytes > 0
+    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
+    most = max(hybrid_trace.live_at(events, list(range(len(events) + 1))))
+    assert most == pytest.approx(found["peak_allocated_gib"] * 2**30, rel=1e-4)
+    after_steps = hybrid_trace.live_at(events, ends)
+    assert after_steps[-1] == after_steps[1]  # nothing left over from one step to the next
+
+
 def test_zero2s_next_bucket_needs_a_segment_of_its_own_after_the_first_step(tmp_path: Path) -> None:
     """ZeRO-2 frees its 1 GB bucket at backward's end; the first step then makes Adam's moments (62M
     parameters: 236 MiB each) inside the freed block, so the next backward's bucket needs a new segment:

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/17: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/18: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled from two sources:
@@ -152,7 +152,7 @@ from .counter import GradientReady, MemoryCounter, Peak, Record, rounded
 from .gpus import GpuKind
 from .pinned import block_bytes
 
-METHOD = "hybrid/17"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/18"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
@@ -167,7 +167,8 @@ METHOD = "hybrid/17"  # bump when what it counts changes (2: flash attention bac
 # workspace, the column sums' buffer, and gradient sums in place unless their operand is a view; 16: an in-place
 # sum keeps its operand's block in the hybrid's trace too (allocator.record_events), as in fake-run/9's: over
 # llama3b's 60 ZeRO cells (H100, torch 2.11) no peak moved, one least card by 6 MiB; 17: its fake run's
-# fake-run/10, the embedding backward's partial-sum buffer)
+# fake-run/10, the embedding backward's partial-sum buffer; 18: ZeRO-3's gathers at each step's own forward
+# where steps share a stage (dynamic padding runs every step), not all at the first's: no published cell moves)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).

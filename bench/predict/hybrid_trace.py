@@ -94,13 +94,14 @@ def engine_trace(counter: MemoryCounter, states: ModelStates, layout: Layout,
     _fake_run_events(counter, trace)
     engine = _Engine(states, layout, trace)
     engine.initialize(build)
-    forward_starts = _phase_starts(counter, "forward")
+    forward_starts = _forward_starts(counter)
     hooks = sorted(counter.gradients_ready, key=lambda g: g.event)
     markers = []  # where each step ends: after its optimizer step, before anything the next one makes
     previous_end = -1
     for number, step in enumerate(counter.steps):
-        if (states.gathered_bytes or states.persistent_bytes) and step.stage in forward_starts:
-            trace.at = (forward_starts[step.stage], -0.5)
+        forward_start = forward_starts[number]
+        if (states.gathered_bytes or states.persistent_bytes) and forward_start is not None:
+            trace.at = (forward_start, -0.5)
             engine.gather(held=number > 0)
         engine.first_step = number == 0
         for gradient in hooks:
@@ -146,13 +147,16 @@ def _kept(record: Record) -> bool:
         and not (record.where == "build" and role == "temporary")
 
 
-def _phase_starts(counter: MemoryCounter, phase: str) -> dict[str, int]:
-    """Each stage's first event in `phase` (its first allocation there)."""
-    starts: dict[str, int] = {}
-    for record in counter.records:
-        stage, _, name = record.where.rpartition("/")
-        if name == phase and record.made >= 0:
-            starts[stage] = min(starts.get(stage, record.made), record.made)
+def _forward_starts(counter: MemoryCounter) -> list[int | None]:
+    """Each step's first event in forward (its first allocation there), None where it allocated nothing
+    there. Steps of one stage (dynamic padding runs every step as "measure") are told apart by their ends."""
+    ends = [step.event for step in counter.steps]
+    starts: list[int | None] = [None] * len(ends)
+    for record in sorted((r for r in counter.records if r.made >= 0 and r.where.endswith("/forward")),
+                         key=lambda r: r.made):
+        number = bisect.bisect_right(ends, record.made)  # the step it was made in: the first to end after it
+        if number < len(starts) and starts[number] is None:
+            starts[number] = record.made
     return starts
 
 
