@@ -20,7 +20,7 @@ CPU):
   transient copy), its bucket and its 16-bit gradient partition; both, the transient fp32 gradient
   that initializes the optimizer's states. With the optimizer offloaded, only what stays on the GPU
   (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
-- in forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
+- in each step's forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
   into backward (`hybrid.Layout`) each freed at its gradient's hook, the others after their module (in
   the first step, which has no trace of the modules' order, all of them); in backward, after the first
   step, backward's next weights prefetched as each module is done (`hybrid.ZeroBackward.pass_module`),
