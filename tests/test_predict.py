@@ -543,18 +543,26 @@ def test_the_hybrids_trace_allocates_what_it_counts(stack: str, ranks: int) -> N
     each of two; what it reserves, replayed, is at least that."""
     from bench.predict import hybrid_trace
 
-    gpu = gpus.get("h100")
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
-    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
-    found = hybrid.assembled(cell, counter, gpu)
-    meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, ranks, counter.needs_backward, counter.fed_without_gradient)
-    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
-    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
+    counter, found, _, events, ends = _hybrids_trace(cell)
     assert len(ends) == len(counter.steps) and ends == sorted(ends)
     most = max(hybrid_trace.live_at(events, list(range(len(events) + 1))))
     assert most == pytest.approx(found["peak_allocated_gib"] * 2**30, rel=1e-4)
     assert found["peak_reserved_gib"] >= found["peak_allocated_gib"]
+
+
+def _hybrids_trace(cell: Any) -> tuple[Any, dict[str, Any], Any, list[Any], list[int]]:
+    """A ZeRO cell's fake run on an H100, the hybrid's figures, its model states and its trace (events, step ends)."""
+    from bench.predict import hybrid_trace
+
+    gpu = gpus.get("h100")
+    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
+    found = hybrid.assembled(cell, counter, gpu)
+    meta = trainer.build_model(cell, device="meta").model
+    layout = hybrid.Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
+    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
+    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
+    return counter, found, states, events, ends
 
 
 def test_zero3_gathers_at_each_steps_own_forward_under_dynamic_padding(tmp_path: Path) -> None:
@@ -563,17 +571,11 @@ def test_zero3_gathers_at_each_steps_own_forward_under_dynamic_padding(tmp_path:
     (it once gathered every such step's weights at the first one's forward, and never freed the others)."""
     from bench.predict import hybrid_trace
 
-    gpu = gpus.get("h100")
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", models.register_file(_mid_llama(tmp_path)), 64, 2,
                                          parse_stack("dynamic_padding + zero3")), gpus=2)
-    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
+    counter, found, states, events, ends = _hybrids_trace(cell)
     assert [step.stage for step in counter.steps].count("measure") > 1
-    found = hybrid.assembled(cell, counter, gpu)
-    meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, 2, counter.needs_backward, counter.fed_without_gradient)
-    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
     assert states.gathered_bytes > 0
-    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
     most = max(hybrid_trace.live_at(events, list(range(len(events) + 1))))
     assert most == pytest.approx(found["peak_allocated_gib"] * 2**30, rel=1e-4)
     after_steps = hybrid_trace.live_at(events, ends)
