@@ -19,8 +19,11 @@ download() {  # FOLDER NAME==VERSION...: wheels for the GPU host's Python 3.12 o
 download .gpu/whl liger-kernel==0.8.5 bitsandbytes==0.50.2 torchao==0.18.0 galore-torch==1.0 apollo-torch==1.0.3 \
   cut-cross-entropy==25.1.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.18 idna==3.20 hjson==3.1.0 pydantic==2.14.3 \
   pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 "$@"
-# Unsloth's two wheels (~30 MiB) apart, in .gpu/extra/: a device that carries at most 64 MiB takes the rest
-# (~51 MiB) without them; only the `unsloth` stacks need them
+# The GPU image's torch is built for CUDA 13: bitsandbytes' libraries for CUDA 11/12 and ROCm only make .gpu/whl too
+# large to travel beside the project (a device call carries 64 MiB)
+python3 tools/offline-gpu/slim_wheel.py .gpu/whl/bitsandbytes-0.50.2-*.whl 'libbitsandbytes_(cuda1[12][0-9]|rocm[0-9]+)\.so$'
+# Unsloth's two wheels (~30 MiB) apart, in .gpu/extra/: only the `unsloth` stacks need them, and the rest (~14 MiB
+# slimmed) travels with a margin without them
 download .gpu/extra unsloth==2026.10.9 unsloth_zoo==2026.10.9
 python3 -m pip download -q --no-deps --no-binary=:all: -d .gpu deepspeed==0.19.8
 cp tools/offline-gpu/setup.sh .gpu/setup.sh
