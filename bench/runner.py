@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from . import distributed, prebuild, ranks, results
+from . import checkpoints, distributed, prebuild, ranks, results
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
 from .worker import PRELOAD_MODEL_ENV, PRELOAD_MODULES_ENV
@@ -83,6 +83,8 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
     oom_batch = _oom_batches(planned, rows)
     todo = [pc for pc in planned if _wanted(pc, rows, opts)]
     _prebuild_ops([pc.cell for pc in todo if not pc.skip_reason])
+    for line in checkpoints.prepare(pc.cell for pc in todo if not pc.skip_reason):
+        print(line, file=sys.stderr, flush=True)
     progress.start(len(todo))
     spares = Spares(raw_dir)
     try:

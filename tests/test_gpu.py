@@ -495,6 +495,35 @@ def test_a_deferred_fsdp_build_on_cuda_draws_a_plain_builds_weights() -> None:
     assert peak <= model_bytes + largest + 64 * 2**20
 
 
+def test_a_gpu_cells_quantized_base_is_the_plain_gpu_builds_weights(workdir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/checkpoints.py on CUDA: the runner draws a quantized cell's random checkpoint on the GPU before
+    the first cell (a bare H200's first qlora cell spent 146 s drawing it on the CPU), with the weights a plain
+    GPU build of the same model and seed draws; the cell loads that one and names it in its evidence."""
+    from transformers import AutoModelForCausalLM
+
+    from bench import checkpoints, trainer
+
+    monkeypatch.setenv("BENCH_CACHE", str(workdir / "cache"))
+    write_matrix(workdir, """
+    matrices:
+      q: {device: cuda, models: [tiny-llama], seq_lens: [64], batch_sizes: [2], stacks: [qlora],
+          steps: {warmup: 1, measure: 2}, seed: 5}
+    """)
+    proc = run_bench(workdir, "run", "q", "--run-id", "q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the random checkpoint of tiny-llama (seed 5) drawn on the GPU in" in proc.stderr
+    [row] = raw_rows(workdir, "q").values()
+    assert row["status"] == "ok", row["error"]
+    drawn = checkpoints._path("tiny-llama", 5, "cuda")
+    assert json.loads(row["evidence_json"])["base_checkpoint"] == drawn.name
+    loaded = AutoModelForCausalLM.from_pretrained(drawn, dtype=torch.bfloat16).state_dict()
+    plain = {name: t.cpu() for name, t in trainer.base_model("tiny-llama", "cuda", 5).state_dict().items()}
+    assert loaded.keys() == plain.keys()
+    for name, tensor in plain.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 def test_the_segments_the_gpu_holds_are_the_ones_the_prediction_holds(workdir: Path) -> None:
     """Segment by segment (bench/segments.py): after the measured steps, the allocator's own list
     (torch.cuda.memory_snapshot) reserves what reserved memory says, and the prediction's replay holds

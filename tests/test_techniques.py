@@ -294,7 +294,50 @@ def test_quantized_bases_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) 
     assert saved == pytest.approx(linear_weights * 1.5 / 2**30, rel=0.02)
     saved = rows["lora"]["weights_gib"] - rows["int8_lora"]["weights_gib"]
     assert saved == pytest.approx(linear_weights * 1.0 / 2**30, rel=0.02)
-    assert list((workdir / "cache" / "checkpoints").iterdir())  # the random checkpoint, reused by every cell
+    [checkpoint] = (workdir / "cache" / "checkpoints").iterdir()  # the random checkpoint, reused by every cell
+    assert {json.loads(r["evidence_json"])["base_checkpoint"] for r in rows.values() if r["stack"] != "lora"} == \
+        {checkpoint.name}
+
+
+def test_a_random_checkpoint_holds_the_plain_builds_weights_and_gpu_cells_prefer_the_gpu_drawn_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized base's random checkpoint holds the weights a plain build of the same model and seed
+    draws on the same device (here the CPU; on a GPU, tests/test_gpu.py). A GPU cell loads the GPU-drawn
+    one where there is one, else the CPU-drawn; a CPU cell always the CPU-drawn. `prepare` draws only for
+    GPU cells whose stack loads a base, and on a host without a GPU says it could not and why."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench import checkpoints, spec, trainer
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path))
+    made_on_cpu = checkpoints.random_checkpoint("tiny-llama", 3)
+    loaded = AutoModelForCausalLM.from_pretrained(made_on_cpu, dtype=torch.bfloat16).state_dict()
+    plain = trainer.base_model("tiny-llama", "cpu", 3).state_dict()
+    assert loaded.keys() == plain.keys()
+    assert all(torch.equal(loaded[name], plain[name]) for name in plain)
+
+    assert checkpoints.for_load("tiny-llama", 3, "cuda") == made_on_cpu  # no GPU-drawn one yet
+    made_on_gpu = checkpoints.cache_dir() / made_on_cpu.name.replace("tiny-llama-", "tiny-llama-cuda-")
+    shutil.copytree(made_on_cpu, made_on_gpu)  # stands in for one `prepare` drew on a GPU: only its folder matters
+    assert checkpoints.for_load("tiny-llama", 3, "cuda") != made_on_gpu  # a folder of another key is not it
+    made_on_gpu.rename(checkpoints._path("tiny-llama", 3, "cuda"))
+    assert checkpoints.for_load("tiny-llama", 3, "cuda") == checkpoints._path("tiny-llama", 3, "cuda")
+    assert checkpoints.for_load("tiny-llama", 3, "cpu") == made_on_cpu
+
+    smoke = spec.get(REPO / "matrix.yaml", "smoke")
+    cells = [make_cell(smoke, device, model, 64, 2, parse_stack(stack)) for device, model, stack in
+             (("cuda", "tiny-llama", "qlora"), ("cuda", "tiny-llama", "gc + int8_lora"), ("cpu", "llama-3.2-1b", "qlora"),
+              ("cuda", "llama-3.2-1b", "lora"))]
+    assert checkpoints.needed(cells) == [("tiny-llama", smoke.seed)]
+    [line] = checkpoints.prepare(cells)
+    if not torch.cuda.is_available():
+        assert line == (f"the random checkpoint of tiny-llama (seed {smoke.seed}) not drawn on the GPU "
+                        "(no CUDA device): its cells make it on the CPU")
 
 
 SAVES = """

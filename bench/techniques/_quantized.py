@@ -4,6 +4,7 @@ random checkpoint, then LoRA adapters (the quantized base cannot be trained, onl
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import lora
@@ -21,12 +22,12 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..checkpoints import random_checkpoint
+        from .. import checkpoints
 
         if device == "meta":
             return _skeleton(cell, attn_implementation, quantization(opts))
         model = AutoModelForCausalLM.from_pretrained(
-            random_checkpoint(cell.model, cell.seed), quantization_config=quantization(opts),
+            checkpoints.for_load(cell.model, cell.seed, device), quantization_config=quantization(opts),
             dtype=torch.bfloat16, device_map={"": 0 if device == "cuda" else device},
             attn_implementation=attn_implementation)
         model.config.use_cache = False
@@ -35,6 +36,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
     def apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
         import bitsandbytes as bnb
 
+        checkpoint = Path(model.name_or_path).name  # which random checkpoint: drawn on the CPU or the GPU
         quantized = sum(isinstance(m, getattr(bnb.nn, layer_class)) for m in model.modules())
         if quantized == 0:
             raise RuntimeError(f"{name}: no {layer_class} layer in the loaded model")
@@ -44,7 +46,8 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
             # Upcasts norms, embeddings and lm_head to fp32: visible option, not a hidden default.
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model, found = lora.TECHNIQUE.apply(model, {k: opts[k] for k in LORA_OPTIONS})  # type: ignore[misc]
-        return model, {**found, "quantized_layers": quantized, "prepare_kbit": opts["prepare_kbit"]}
+        return model, {**found, "quantized_layers": quantized, "prepare_kbit": opts["prepare_kbit"],
+                       "base_checkpoint": checkpoint}
 
     return Technique(
         name=name,

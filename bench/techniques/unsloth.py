@@ -21,6 +21,7 @@ worker imports it first (`env`). Predicted: no: it loads from files and runs its
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .base import Evidence, Options, Phase, Technique
@@ -37,10 +38,10 @@ def _load(cell: Cell, device: str, attn_implementation: str, opts: Options) -> A
     from unsloth import FastLanguageModel
 
     from .. import models
-    from ..checkpoints import random_checkpoint, with_tokenizer
+    from ..checkpoints import for_load, with_tokenizer
 
     vocab_size = models.hf_config(models.get(cell.model), attn_implementation).vocab_size
-    path = with_tokenizer(random_checkpoint(cell.model, cell.seed), vocab_size)
+    path = with_tokenizer(for_load(cell.model, cell.seed, device), vocab_size)
     model, _ = FastLanguageModel.from_pretrained(model_name=str(path), max_seq_length=cell.seq_len,
                                                  dtype=torch.bfloat16, load_in_4bit=opts["load_in_4bit"],
                                                  local_files_only=True)
@@ -59,7 +60,8 @@ def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
         raise RuntimeError("unsloth: the loaded model has no LoRA adapters")
     return model, {"unsloth_version": metadata.version("unsloth"), "lora_modules": adapted,
                    "unsloth_gc": opts["gc"], "unsloth_4bit": opts["load_in_4bit"],
-                   "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+                   "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                   "base_checkpoint": Path(getattr(model.config, "_name_or_path", "")).name}  # drawn on the CPU or GPU
 
 
 def _check_cell(cell: Cell, opts: Options) -> str | None:
