@@ -52,6 +52,7 @@ class Answer:
     card: gpus.GpuKind  # with the capacity asked for, if any
     predicted: dict[str, Any]  # the prediction's columns; status ok | unsupported | skipped | error
     measured: tuple[dict[str, Any], ...]  # published GPU rows of the same settings, any status
+    record: predict_report.Record | None = None  # how predictions made as this one is fared on published GPU cells
 
     @property
     def verdict(self) -> str:
@@ -100,6 +101,16 @@ def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None
     return Answer(cell, card, predicted, tuple(measured_rows(results_dir, cell)))
 
 
+def with_record(a: Answer, results_dir: Path) -> Answer:
+    """The answer with the record of the published GPU cells predicted as it was (a few seconds: every
+    published table is read), where it was predicted."""
+    p = a.predicted
+    if p.get("status") != "ok":
+        return a
+    offload = p.get("host_peak_gib") is not None
+    return replace(a, record=predict_report.record(results_dir, str(p["prediction_method"]), a.cell.gpus, offload))
+
+
 def measured_rows(results_dir: Path, cell: Cell) -> list[dict[str, Any]]:
     """Every published GPU row with the cell's settings — model, sequence, batch, stack, ranks, save —
     whatever the matrix, its steps or the run; a budget-capped fit probe is not the same cell."""
@@ -132,6 +143,7 @@ def text(a: Answer) -> str:
     else:
         lines.append(_not_predicted(p))
     lines.append(f"verdict: {a.verdict}{_verdict_detail(a)}")
+    lines += _record_lines(a)
     by_run: dict[str, list[dict[str, Any]]] = {}
     for row in a.measured:
         by_run.setdefault(row["run_id"], []).append(row)
@@ -140,6 +152,26 @@ def text(a: Answer) -> str:
         lines.append("  measured under other releases than predicted here: the fake run runs the step's own code, "
                      "so it follows the releases it runs on (results/PREDICTION.md, By software)")
     return "\n".join(lines)
+
+
+def _record_lines(a: Answer) -> list[str]:
+    """The record of predictions made as this one is, and where the verdict is "fits", whether a miss as
+    large as their worst under-prediction of peak reserved would take more than the card has to spare."""
+    r = a.record
+    if r is None:
+        return []
+    if not r.reserved_errors:
+        return [f"  its kind's record: no published GPU cell predicted as this one ({r.kind}) checks it yet"]
+    low, high = min(r.reserved_errors), max(r.reserved_errors)
+    line = (f"  its kind's record: peak reserved predicted {low:+.2%} to {high:+.2%} of measured on the "
+            f"{len(r.reserved_errors)} published GPU cells predicted as this one ({r.kind}; results/PREDICTION.md)")
+    headroom = a.predicted.get("headroom_gib")
+    if a.verdict == "fits" and headroom is not None and low < 0:
+        miss_gib = a.predicted["peak_reserved_gib"] * -low / (1 + low)  # measured = predicted / (1 + error)
+        if miss_gib > headroom:
+            line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
+                     f"{headroom:.2f} GiB to spare: measure before relying on it")
+    return [line]
 
 
 def _ranks(count: int) -> str:
@@ -340,4 +372,7 @@ def largest_json(found: Largest) -> str:
 def as_json(a: Answer) -> str:
     return json.dumps({"cell_id": a.cell.cell_id, "verdict": a.verdict, "gpu": a.card.key,
                        "gpu_memory_gib": a.card.memory_gib, "predicted": _plain(a.predicted),
-                       "measured": list(a.measured)}, default=str, indent=1)
+                       "measured": list(a.measured),
+                       "record": None if a.record is None else {"kind": a.record.kind,
+                                                                 "reserved_errors": list(a.record.reserved_errors)}},
+                      default=str, indent=1)

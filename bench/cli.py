@@ -367,7 +367,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
                                lambda line: print(line, file=sys.stderr, flush=True))
         print(ask.largest_json(frontier) if args.json else ask.largest_text(frontier))
         return ask.EXIT_CODES[frontier.verdict]
-    found = ask.answer(question, card, args.host_memory_gib, args.results_dir)
+    found = ask.with_record(ask.answer(question, card, args.host_memory_gib, args.results_dir), args.results_dir)
     print(ask.as_json(found) if args.json else ask.text(found))
     return ask.EXIT_CODES[found.verdict]
 

@@ -4,6 +4,7 @@ the same settings."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,41 @@ def test_a_paged_optimizers_managed_state_is_said_apart_from_what_torch_reserves
     assert "paged state         3.25 GiB  a paged optimizer's state in CUDA managed memory" in paged
     plain = ask.text(_answer(**row, device_peak_gib=12.0 + H100.outside_torch_gib))
     assert "paged state" not in plain and "whole device" in plain
+
+
+def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_where_its_worst_miss_exceeds_the_spare(
+        tmp_path: Path) -> None:
+    """The record: the published GPU cells predicted by the same method, with offload or without as the
+    answer, each one's peak reserved error. From the H200's published run and its predictions: the ZeRO
+    cells with offload apart from those without. A "fits" whose spare GiB a miss as large as the record's
+    worst under-prediction would take says so; one with room to spare does not."""
+    import shutil
+
+    from bench.predict import report as predict_report
+
+    for folder, table in (("runs", "llama3b-h200-20261127"), ("predicted", "llama3b-predicted-h200-torch211-20261128")):
+        (tmp_path / "llama3b" / folder).mkdir(parents=True)
+        shutil.copy(REPO / "results" / "llama3b" / folder / f"{table}.parquet", tmp_path / "llama3b" / folder)
+    both = predict_report.checked(tmp_path)
+    zero = both[both["prediction_method"].str.startswith("hybrid")]
+    offloaded = zero[zero["stack"].str.contains("offload")]
+    assert 0 < len(offloaded) < len(zero)  # both kinds published
+    with_offload = predict_report.record(tmp_path, "hybrid/18", 1, offload=True)
+    assert "ZeRO, hybrid" in with_offload.kind and with_offload.kind.endswith("with offload")
+    assert sorted(with_offload.reserved_errors) == sorted(offloaded["reserved_error_frac"])
+    assert len(predict_report.record(tmp_path, "hybrid/18", 1, offload=False).reserved_errors) == len(zero) - len(offloaded)
+    assert predict_report.record(tmp_path, "fake-run/10", 8, offload=False).reserved_errors == ()  # no 8-GPU cell
+
+    record = predict_report.Record("ZeRO, hybrid, with offload", (-0.0623, 0.0319))
+    row = {"peak_phase": "measure/backward", "peak_reserved_gib": 15.53, "predict_s": 1.0, "fits": True}
+    tight = ask.text(replace(_answer(**row, headroom_gib=0.5), record=record))
+    assert ("its kind's record: peak reserved predicted -6.23% to +3.19% of measured on the 2 published GPU cells "
+            "predicted as this one (ZeRO, hybrid, with offload; results/PREDICTION.md); a miss as large as its worst "
+            "would need 1.03 GiB more here, over the 0.50 GiB to spare: measure before relying on it") in tight
+    roomy = ask.text(replace(_answer(**row, headroom_gib=5.0), record=record))
+    assert "its kind's record" in roomy and "measure before relying on it" not in roomy
+    unchecked = ask.text(replace(_answer(**row, headroom_gib=5.0), record=predict_report.Record("k", ())))
+    assert "no published GPU cell predicted as this one (k) checks it yet" in unchecked
 
 
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(

@@ -10,6 +10,7 @@ fraction of measured. Generated, never edited by hand.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -201,6 +202,29 @@ METHODS = (
 )
 
 
+@dataclass(frozen=True)
+class Record:
+    """How predictions made as one cell's is fared against the published GPU cells: how they are made
+    (`kind`: the method, with or without offload) and each such cell's peak reserved error, predicted -
+    measured over measured. Offload sets a kind apart: its copies between host and device are where the
+    hybrid's reserved misses most (PREDICTION.md)."""
+
+    kind: str
+    reserved_errors: tuple[float, ...]
+
+
+def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
+    """The record of predictions made by `method` on `gpus` ranks, with or without `offload`."""
+    one = pd.DataFrame({"prediction_method": [method], "gpus": [gpus]})
+    label, of = next(((label, of) for label, of in METHODS if of(one).iloc[0]), (method, None))
+    kind = f"{label}, {'with' if offload else 'without'} offload"
+    both = checked(results_dir)
+    if of is None or both.empty:
+        return Record(kind, ())
+    alike = both[of(both) & (both["host_peak_gib"].notna() == offload)]["reserved_error_frac"].dropna()
+    return Record(kind, tuple(float(e) for e in alike))
+
+
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     """Per way of predicting: cells predicted, cells measured to check them, and the errors; and host RAM."""
     ok = predicted[predicted["status"] == "ok"].drop_duplicates("cell_id", keep="last")
@@ -215,8 +239,9 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
               "(tests/test_predict.py). The ZeRO hybrid is checked on a CPU against DeepSpeed's own engine on one and "
               "two gloo ranks under the same counter: peak allocated, with and without offload, and peak reserved, its "
               "trace against DeepSpeed's own allocations replayed through the same model of the allocator "
-              "(tools/hybrid_check.py; its figures in bench/predict/hybrid.py). Several-rank, FSDP2-offload and ZeRO "
-              "cells get their GPU errors here once such cells are measured (the GPU backlog)."]
+              "(tools/hybrid_check.py; its figures in bench/predict/hybrid.py). A method gets its GPU errors here as its "
+              "cells are measured (the GPU backlog); `bench ask` gives each answer the record of the cells predicted "
+              "as it is, with or without offload."]
     host = ok[ok["host_peak_gib"].notna()] if "host_peak_gib" in ok else ok.iloc[0:0]
     measured_host = both[both["host_peak_gib"].notna()] if "host_peak_gib" in both else both.iloc[0:0]
     lines += ["", f"Host RAM (`host_peak_gib`, offload stacks): {len(host)} cells predicted, {len(measured_host)} "
