@@ -78,7 +78,11 @@ class Sources:
 
     def __init__(self, results_dir: Path, matrix_file: Path):
         self.results_dir, self.matrix_file = results_dir, matrix_file
-        measured, predicted = predict_report.measured_gpu_cells(results_dir), predict_report.predictions(results_dir)
+        measured = predict_report.measured_gpu_cells(results_dir)
+        # the releases the GPU runs measured under (the most common): predictions under them are shown where made,
+        # so a table's bold and italic figures come from the same code; else the newest prediction
+        self.software = predict_report.software(measured).mode().iloc[0] if len(measured) else None
+        predicted = predict_report.predictions(results_dir, prefer=self.software)
         self.measured = _by_id(_failed_gpu_cells(results_dir), measured)
         self.predicted = predicted.set_index("cell_id", drop=False)
         self.pairs = predict_report.pairs(measured, predict_report.predictions(results_dir, every_software=True))
@@ -505,7 +509,8 @@ def markdown(sources: Sources) -> str:
     lines = ["# Five field reports, answered", "",
              "Each question comes from a user's report; each figure from the published tables: **bold** = measured "
              f"on a GPU ({', '.join(_measured_on(sources)) or 'none yet'}), *italic* = predicted by `bench predict` "
-             f"for an {CARD.name} ({sources.error_line()}); each table says which peak it shows, "
+             f"for an {CARD.name}{_predicted_under(sources)} ({sources.error_line()}); each table says which peak "
+             "it shows, "
              "`> card` = predicted not to fit (reserved memory and the CUDA context over the card), "
              "`†` = a hybrid prediction (a ZeRO cell: DeepSpeed's model-state "
              "accounting + the fake run's activations), `n/p` = a stack the fake run cannot see yet, `–` = in the GPU "
@@ -514,6 +519,12 @@ def markdown(sources: Sources) -> str:
     for scenario in SCENARIOS:
         lines += scenario(sources)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _predicted_under(sources: Sources) -> str:
+    if sources.software is None:
+        return ""
+    return f" under {sources.software} where such a prediction is published (the GPU runs' releases), else the newest"
 
 
 def _measured_on(sources: Sources) -> list[str]:

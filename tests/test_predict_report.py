@@ -48,6 +48,21 @@ def test_a_measured_cell_is_paired_with_the_prediction_under_its_own_software(tm
     assert newest["cell_id"].is_unique
 
 
+def test_a_preferred_softwares_prediction_is_chosen_over_a_newer_one_under_other_releases(tmp_path: Path) -> None:
+    """`predictions(prefer=...)`, as SCENARIOS.md takes them: a cell's newest prediction made under the GPU
+    runs' releases, though one under other releases is newer; a cell with none under them keeps its newest."""
+    results_dir = _results_with_a_second_software(tmp_path, "2000-01-01T00:00:00+00:00")  # the preferred: older
+    image = "torch 2.11.0, transformers 5.17.0"
+    newest = report.predictions(results_dir).set_index("cell_id")
+    preferred = report.predictions(results_dir, prefer=image).set_index("cell_id")
+    assert newest.index.is_unique and preferred.index.is_unique and set(newest.index) == set(preferred.index)
+    relabelled = set(pd.read_parquet(results_dir / "llama3b" / "predicted" / "same-software.parquet")["cell_id"])
+    assert set(newest.loc[list(relabelled), "run_id"]) != {"same-software"}
+    assert set(preferred.loc[list(relabelled), "run_id"]) == {"same-software"}
+    others = preferred.index.difference(list(relabelled))
+    assert len(others) and (preferred.loc[others, "run_id"] == newest.loc[others, "run_id"]).all()
+
+
 def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: Path) -> None:
     results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
     text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))

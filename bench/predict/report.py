@@ -22,14 +22,18 @@ from .gpus import GPUS
 GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the name NVML gives measured rows
 
 
-def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False) -> pd.DataFrame:
-    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id; with
-    every_software, the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
+def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False,
+                prefer: str | None = None) -> pd.DataFrame:
+    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id (with
+    `prefer`, a software label: the newest made under it where the cell has one); with every_software,
+    the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
     pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
     frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
     if not frames:
         return results.to_frame([], results.PREDICTED)
     frame = pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable")
+    if prefer is not None:  # the preferred software's rows last, so the newest of them is kept
+        frame = frame.iloc[(software(frame) == prefer).to_numpy().argsort(kind="stable")]
     keys = frame.assign(software=software(frame))[["cell_id", "software", "gpu_kind"] if every_software else ["cell_id"]]
     return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
 
