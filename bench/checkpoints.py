@@ -68,17 +68,17 @@ def random_checkpoint(model_name: str, seed: int, device: str = "cpu") -> Path:
 
 
 def for_load(model_name: str, seed: int, device: str) -> Path:
-    """The checkpoint a cell on `device` loads: the GPU-made one where a GPU cell finds it, else the
-    CPU-made one (made now if absent: drawing on a GPU inside a cell would count in its memory)."""
-    made_on_gpu = _path(model_name, seed, "cuda")
-    if device == "cuda" and (made_on_gpu / "config.json").exists():
-        return made_on_gpu
+    """The checkpoint a cell on `device` loads: the GPU-drawn one where a GPU cell finds it, else the
+    CPU-drawn one (drawn now if absent: drawing on a GPU inside a cell would count in its memory)."""
+    drawn_on_gpu = _path(model_name, seed, "cuda")
+    if device == "cuda" and (drawn_on_gpu / "config.json").exists():
+        return drawn_on_gpu
     return random_checkpoint(model_name, seed, "cpu")
 
 
 def _path(model_name: str, seed: int, device: str) -> Path:
     key, name = f"{models.get(model_name).config_json}|{seed}", model_name
-    if device != "cpu":  # CPU-made checkpoints keep the key they had before GPU-made ones existed
+    if device != "cpu":  # CPU-drawn checkpoints keep the key they had before GPU-drawn ones existed
         key, name = f"{key}|{device}", f"{model_name}-{device}"
     return cache_dir() / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
@@ -92,7 +92,7 @@ def needed(cells: Iterable[Cell]) -> list[tuple[str, int]]:
 def prepare(cells: Iterable[Cell]) -> list[str]:
     """Draws on the GPU, before the first cell, each checkpoint the GPU cells need that is not there yet,
     each in a child process (its CUDA context ends with it); one line for each, saying how long it took or
-    why it failed (then its cells make the CPU-made one, as before)."""
+    why it failed (then its cells draw theirs on the CPU, as before)."""
     lines = []
     for model_name, seed in needed(cells):
         if (_path(model_name, seed, "cuda") / "config.json").exists():

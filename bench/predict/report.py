@@ -208,10 +208,10 @@ METHODS = (
 
 @dataclass(frozen=True)
 class Record:
-    """How predictions made as one cell's is fared against the published GPU cells: how they are made
-    (`kind`: the method, with or without offload) and each such cell's peak reserved error, predicted -
-    measured over measured. Offload sets a kind apart: its copies between host and device are where the
-    hybrid's reserved misses most (PREDICTION.md)."""
+    """How the predictions made as one cell's was have fared on the published GPU cells: the way they are
+    made (`kind`: the method, with or without offload) and each such cell's peak reserved error, predicted
+    - measured over measured. Offload sets a kind apart: with it, host-device copies and the frees that
+    wait on them are where the hybrid's peak reserved misses most (PREDICTION.md)."""
 
     kind: str
     reserved_errors: tuple[float, ...]
