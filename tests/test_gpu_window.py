@@ -57,3 +57,42 @@ def test_a_step_that_makes_no_progress_in_two_windows_is_given_up(tmp_path: Path
     printed, names = _window(tmp_path, 0, **stall)
     assert "stuck: ended in an earlier window (exit stalled)" in printed and "next: ended, exit 0" in printed
     assert "results/raw/next.txt" in names
+
+
+def test_a_slimmed_wheel_drops_the_libraries_asked_and_still_installs(tmp_path: Path) -> None:
+    """tools/offline-gpu/slim_wheel.py, as prepare.sh calls it on bitsandbytes' wheel: the members the pattern
+    matches leave the wheel and its RECORD (so the installed RECORD lists only installed files), the rest
+    stay byte for byte, and pip installs what is left, as setup.sh installs it."""
+    import base64
+    import hashlib
+    import sys
+    import zipfile
+
+    files = {"demo/__init__.py": b"VALUE = 1\n", "demo/lib_cuda118.so": b"\0" * 4096, "demo/lib_cuda130.so": b"\1" * 64,
+             "demo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
+             "demo-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+
+    def digest(data: bytes) -> str:
+        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{name},{digest(data)},{len(data)}\n" for name, data in files.items())
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        archive.writestr("demo-1.0.dist-info/RECORD", record + "demo-1.0.dist-info/RECORD,,\n")
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "offline-gpu" / "slim_wheel.py"), str(wheel),
+                           r"lib_cuda1[12][0-9]\.so$"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "dropped 1 files" in done.stdout
+    with zipfile.ZipFile(wheel) as archive:
+        assert "demo/lib_cuda118.so" not in archive.namelist()
+        assert archive.read("demo/lib_cuda130.so") == files["demo/lib_cuda130.so"]
+        assert "lib_cuda118" not in archive.read("demo-1.0.dist-info/RECORD").decode()
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                                "--target", str(tmp_path / "site"), str(wheel)], capture_output=True, text=True,
+                               timeout=120)
+    assert installed.returncode == 0, installed.stderr
+    assert sorted(p.name for p in (tmp_path / "site" / "demo").iterdir()) == ["__init__.py", "lib_cuda130.so"]
+    installed_record = (tmp_path / "site" / "demo-1.0.dist-info" / "RECORD").read_text()
+    assert "lib_cuda130.so" in installed_record and "lib_cuda118" not in installed_record

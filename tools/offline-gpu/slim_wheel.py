@@ -2,11 +2,11 @@
 
     python3 tools/offline-gpu/slim_wheel.py WHEEL REGEX
 
-Removes every member whose path matches REGEX, and its line in the wheel's RECORD (pip checks the rest),
-rewriting WHEEL in place. bitsandbytes 0.50.2 ships one library per CUDA and ROCm release (123 MiB
-unpacked, 41 MiB packed); the GPU image's torch is built for CUDA 13, which loads libbitsandbytes_cuda130.so.
-Without the others the wheel is 7 MiB, and .gpu/whl (49 -> 14 MiB) travels beside the tracked tree
-within a call's 64 MiB.
+Removes every member whose path matches REGEX, and its line in the wheel's RECORD (so the installed
+RECORD lists only what was installed), rewriting WHEEL in place. bitsandbytes 0.50.2 ships one library
+per CUDA and ROCm release (123 MiB unpacked, 41 MiB packed); the GPU image's torch is built for CUDA 13,
+which loads libbitsandbytes_cuda130.so. Without the others the wheel is 7 MiB, and .gpu/whl (49 -> 14
+MiB) travels beside the tracked tree within a call's 64 MiB.
 """
 
 from __future__ import annotations
