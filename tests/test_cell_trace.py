@@ -90,3 +90,17 @@ def test_compare_refuses_a_cell_the_predictor_does_not_cover(tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "not predicted" in done.stderr and "int8_lora" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_free_the_allocator_completed_late_is_found_with_the_requests_it_waited_for() -> None:
+    """`record` keeps each free's request beside its completion: a block freed after record_stream on another
+    stream completes its free only after later requests (here 2); one freed on its own stream at once. The
+    replay reads the same rows at each completion, the requests ignored."""
+    from bench.predict import allocator
+
+    rows = [["alloc", 0x100, 4096, 7], ["free_requested", 0x100, 4096, 7], ["alloc", 0x200, 512, 0],
+            ["alloc", 0x300, 512, 0], ["free_completed", 0x100, 4096, 7], ["alloc", 0x400, 512, 0],
+            ["free_requested", 0x400, 512, 0], ["free_completed", 0x400, 512, 0]]
+    assert cell_trace.deferred_frees(rows) == [(4096, 7, 2)]
+    assert [kind for kind, *_ in allocator.from_device_trace(rows).events] == \
+        ["malloc", "malloc", "malloc", "free", "malloc", "free"]

@@ -6,7 +6,8 @@
 `record` runs the cell as a worker does (bench/worker.py: build, warm-up and measured steps) under
 torch.cuda.memory._record_memory_history and keeps the allocator's device trace, [action, address, bytes,
 stream] for every allocation, free and segment (tools/allocator_trace.py's rows), with the row's peaks
-and `segments_json`. A few MB gzipped for a 3B model's 13 steps.
+and `segments_json`. A few MB gzipped for a 3B model's 13 steps. Each free's request is kept beside its
+completion (since 2026-11-28), so `compare` can say which frees the allocator deferred.
 
 `compare` says where a predicted peak reserved that misses the GPU's goes wrong:
 1. the allocator model: the GPU's own requests replayed through bench/predict/allocator.py. The same
@@ -14,7 +15,9 @@ and `segments_json`. A few MB gzipped for a 3B model's 13 steps.
 2. the trace: the fake run's requests beside the GPU's, large ones (over 1 MiB) in order from the
    start, where they first part (the fake run's ops around it); and, for each segment size the two
    hold a different number of, which of that size's requests made one on the GPU and in the replay
-   of the fake run (the fake run stops after its first measured step; the GPU runs every step).
+   of the fake run (the fake run stops after its first measured step; the GPU runs every step);
+3. the frees CUDA completed only after later requests (a block freed after `record_stream` waits for the
+   other stream's work): the model replays every free where the program makes it.
 A ZeRO cell's prediction is the hybrid's trace (bench/predict/hybrid_trace.py): the fake run's requests
 merged with DeepSpeed's engine's, which `compare` names `deepspeed`.
 """
@@ -72,7 +75,7 @@ def record(matrix_name: str, cell_id: str, out: Path) -> None:
     torch.cuda.memory._record_memory_history(context=None, max_entries=ENTRIES)  # no stacks: fast
     row = worker.run_cell(cell)
     rows = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-    kept = [[e["action"], e["addr"], e["size"], e["stream"]] for e in rows if e["action"] in KEPT]
+    kept = [[e["action"], e["addr"], e["size"], e["stream"]] for e in rows if e["action"] in (*KEPT, "free_requested")]
     found = {"matrix": matrix_name, "cell_id": cell_id, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
              "cuda": torch.version.cuda, "entries": len(rows), "max_entries": ENTRIES,
              **{k: row.get(k) for k in ("status", "peak_allocated_gib", "peak_reserved_gib", "segments_json")},
@@ -81,6 +84,25 @@ def record(matrix_name: str, cell_id: str, out: Path) -> None:
         json.dump(found, handle, separators=(",", ":"))
     print(f"{cell_id}: {row.get('status')}, peak reserved {row.get('peak_reserved_gib')} GiB, "
           f"{len(kept)} trace rows of {len(rows)} entries -> {out}")
+
+
+def deferred_frees(rows: list[list[Any]]) -> list[tuple[int, int, int]]:
+    """(bytes, stream, requests between) of each free the allocator completed only after later requests: a
+    block freed after `record_stream` on another stream (ZeRO-3 frees its gathered weights so) is reused only
+    once that stream's work passes, which a replay in program order does not know. From `record`'s rows: a
+    `free_requested` and its `free_completed` (traces recorded before 2026-11-28 have only the latter)."""
+    requested: dict[int, int] = {}  # address -> allocations made before its free was requested
+    allocations, deferred = 0, []
+    for action, address, nbytes, stream in rows:
+        if action == "alloc":
+            allocations += 1
+        elif action == "free_requested":
+            requested[address] = allocations
+        elif action == "free_completed" and address in requested:
+            between = allocations - requested.pop(address)
+            if between:
+                deferred.append((nbytes, stream, between))
+    return deferred
 
 
 def segments_made(events: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
@@ -133,7 +155,8 @@ def comparison(measured: dict[str, Any], cell: Any, gpu_kind: str) -> dict[str, 
             "large": ([e[2] for e in device.events if e[0] == "malloc" and e[2] > MIB],
                       [(e[2], *made_by(records, e[1])) for e in events if e[0] == "malloc" and e[2] > MIB]),
             "segments": {size: (theirs.get(size, []), ours.get(size, [])) for size in sorted(set(theirs) | set(ours))
-                         if len(theirs.get(size, [])) != len(ours.get(size, []))}}
+                         if len(theirs.get(size, [])) != len(ours.get(size, []))},
+            "deferred": deferred_frees(measured["device_trace"])}
 
 
 def compare(matrix_name: str, path: Path, gpu_kind: str) -> None:
@@ -165,6 +188,13 @@ def compare(matrix_name: str, path: Path, gpu_kind: str) -> None:
         print(f"   segments of {size:,} B: GPU {len(gpu_made)}, fake run {len(fake_made)}")
         print(f"     the GPU made them for requests {', '.join(gpu_made[:8])}")
         print(f"     the fake run's replay for {', '.join(fake_made[:8])}")
+    deferred = found["deferred"]
+    if deferred:
+        streams = sorted({stream for _, stream, _ in deferred})
+        print(f"3. frees completed after later requests (record_stream): {len(deferred):,}, "
+              f"{sum(n for n, _, _ in deferred):,} B, at most {max(b for _, _, b in deferred):,} requests later, "
+              f"on streams {', '.join(f'{s:#x}' for s in streams)}; the largest: "
+              + ", ".join(f"{n:,} B ({b} later)" for n, _, b in sorted(deferred, reverse=True)[:5]))
 
 
 def main() -> None:
