@@ -22,6 +22,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -78,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", metavar="I/N",
                      help="run only shard I of N (by cell group), e.g. a job array's task: --shard 3/8; the "
                           "default run id gets -shardIofN; `report --run-id 'RUN-shard*' --into RUN` merges them")
+    run.add_argument("--stop-at", type=float, metavar="EPOCH_S",
+                     help="start no cell that would end after this time (epoch seconds; default: $BENCH_STOP_AT), "
+                          "by its stack's earlier rows in the run; exit 124 with cells left, to resume later")
     run.set_defaults(func=cmd_run)
 
     rep = sub.add_parser("report", help="regenerate a matrix's leaderboard from its headline run (the one with the "
@@ -192,6 +196,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+STOPPED = 124  # `run` stopped before a cell that would end after --stop-at: as timeout(1) says "cut, go on later"
+
+
+def _stop_at(given: float | None) -> float | None:
+    """--stop-at, else $BENCH_STOP_AT (tools/gpu-window.sh sets it to its window's end), else none."""
+    if given is not None:
+        return given
+    value = os.environ.get("BENCH_STOP_AT")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise spec.SpecError(f"BENCH_STOP_AT={value!r} is not a time in epoch seconds") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     matrix = spec.get(args.matrix_file, args.matrix)
     host = envinfo.host_caps()
@@ -224,6 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         redo=frozenset(filter(None, args.redo.split(","))),
         only=args.only,
         prefork=(runner.PREFORK_AHEAD if device == "cuda" else 0) if prefork is None else prefork,
+        stop_at=_stop_at(args.stop_at),
     )
     print(f"run {run_id}: {len(planned)} cells of {matrix.name!r} on {device}; raw rows in "
           f"{args.results_dir / 'raw' / run_id}")
@@ -236,6 +257,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     counts = runner.summarize(rows, planned)
     print(f"done: {', '.join(f'{n} {s}' for s, n in counts.most_common())}")
     print(f"table: {parquet}\nthis run: {run_board}\nleaderboard: {board}")
+    left = [pc for pc in cells.matching(planned, args.only, matrix.name) if pc.cell.row_key not in rows]
+    if opts.stop_at is not None and left:
+        print(f"stopped at --stop-at: {len(left)} cells left; run the same command again to go on")
+        return STOPPED
     return 1 if counts.get("error") else 0
 
 

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from typing import IO, Any, Protocol
 from . import checkpoints, distributed, prebuild, ranks, results
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
+from .stacks import parse_stack
 from .worker import PRELOAD_MODEL_ENV, PRELOAD_MODULES_ENV
 
 HOST_OOM_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # killed by SIGKILL: the kernel's OOM killer
@@ -52,6 +54,7 @@ class RunOptions:
     redo: frozenset[str] = frozenset()  # re-run cells whose recorded status is one of these ("all": any)
     only: str | None = None  # fnmatch pattern on cell ids
     prefork: int = 0  # how many of the next cells' workers are started ahead of them (0: none)
+    stop_at: float | None = None  # epoch seconds: no cell starts that its stack's earlier rows say would end after
 
 
 @dataclass
@@ -95,6 +98,8 @@ def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: P
             base = _base_row(cell, opts, provenance)
             if reason:
                 row = base | {"status": "skipped", "skip_reason": reason}
+            elif _past_deadline(cell, rows, opts.stop_at):
+                break  # the cells left run in the next window: nothing of this one has started
             else:
                 request = _request(cell, raw_dir)
                 worker = spares.take(cell)
@@ -144,6 +149,33 @@ class Spares:
         for worker in self.waiting.values():
             _discard(worker)
         self.waiting.clear()
+
+
+def _past_deadline(cell: Cell, rows: dict[str, dict[str, Any]], stop_at: float | None) -> bool:
+    """Whether the cell would end after `stop_at`, by its expected wall time (`expected_wall_s`): a lent GPU's
+    window cut in a cell loses all of it (an offload cell took 113 s, its first 91 s lost, on the H200)."""
+    if stop_at is None:
+        return False
+    expected_s = expected_wall_s(cell, rows)
+    if time.time() + expected_s <= stop_at:
+        return False
+    print(f"stopped before {cell.cell_id}: it takes about {expected_s:.0f} s, {max(stop_at - time.time(), 0):.0f} s "
+          "are left before --stop-at", file=sys.stderr, flush=True)
+    return True
+
+
+def expected_wall_s(cell: Cell, rows: dict[str, dict[str, Any]]) -> float:
+    """The median wall time of the run's rows of the cell's stack; else of stacks of the same techniques
+    but checkpointing (which changes the step, not the engine's build and teardown); else 0 (unknown)."""
+    def techniques(label: str) -> frozenset[str]:
+        return frozenset(parse_stack(label).names) - {"gc"}
+
+    walls = [r["wall_s"] for r in rows.values() if r.get("stack") == cell.stack.label and r.get("wall_s")]
+    if not walls:
+        mine = techniques(cell.stack.label)
+        walls = [r["wall_s"] for r in rows.values() if r.get("wall_s") and r.get("stack")
+                 and techniques(str(r["stack"])) == mine]
+    return float(statistics.median(walls)) if walls else 0.0
 
 
 def _prebuild_ops(cells: list[Cell]) -> None:

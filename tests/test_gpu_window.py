@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import REPO
 
 STEPS = """# a comment, then steps
-one: echo one > results/raw/one.txt
+one: echo one > results/raw/one.txt; echo ${BENCH_STOP_AT:-none} > results/raw/stop_at.txt
 fails: exit 3
 long: sleep ${LONG_S:-30}; touch results/raw/long.txt
 after: touch results/raw/after.txt
@@ -31,8 +31,15 @@ def _window(workdir: Path, budget_s: int, **env: str) -> tuple[str, set[str]]:
 
 
 def test_a_window_stops_at_its_budget_and_the_next_goes_on_from_there(tmp_path: Path) -> None:
+    """Steps run in order until the budget; the cut one goes on in the next window. `bench run` in a step is
+    told when the window ends (BENCH_STOP_AT, 15 s early) so that it starts no cell the end would cut."""
+    import time
+
     (tmp_path / "steps").write_text(STEPS)
+    before = time.time()
     printed, names = _window(tmp_path, 12)
+    stop_at = int((tmp_path / "results" / "raw" / "stop_at.txt").read_text())
+    assert before + 12 - 15 - 1 <= stop_at <= before + 12 - 15 + 2
     assert "one: ended, exit 0" in printed and "fails: ended, exit 3" in printed  # a failed step does not stop it
     assert "long: cut by the window's end" in printed and "after: running" not in printed
     assert {"results/raw/one.txt", "results/raw/gpu-window/one.done", "results/raw/gpu-window/fails.done"} <= names
@@ -57,6 +64,30 @@ def test_a_step_that_makes_no_progress_in_two_windows_is_given_up(tmp_path: Path
     printed, names = _window(tmp_path, 0, **stall)
     assert "stuck: ended in an earlier window (exit stalled)" in printed and "next: ended, exit 0" in printed
     assert "results/raw/next.txt" in names
+
+
+def test_a_cells_expected_wall_time_is_its_stacks_else_that_of_the_same_techniques_but_checkpointing() -> None:
+    """What `bench run --stop-at` weighs before starting a cell (bench/runner.expected_wall_s): the median wall
+    of the run's rows of its stack; a stack never run is judged by the same techniques without gc (on the
+    H200, gc + offload(params=True) + zero3 never ran before; offload(params=True) + zero3 had: 98 s, and it
+    took 113 s, its first 91 s cut by a window's end); with neither, nothing is known: 0, and it starts."""
+    from bench import runner, spec
+    from bench.cells import Cell, make_cell
+    from bench.stacks import parse_stack
+
+    smoke = spec.get(REPO / "matrix.yaml", "smoke")
+
+    def cell(stack: str) -> Cell:
+        return make_cell(smoke, "cuda", "llama-3.2-3b", 2048, 2, parse_stack(stack))
+
+    rows = {f"r{i}": {"stack": parse_stack(label).label, "wall_s": wall} for i, (label, wall) in enumerate(
+        [("offload(params=true) + zero3", 98.0), ("zero3", 20.0), ("baseline", 17.0), ("baseline", 5.0),
+         ("baseline", 7.0), ("lora", None)])}
+    assert runner.expected_wall_s(cell("baseline"), rows) == 7.0  # the median of its own
+    assert runner.expected_wall_s(cell("gc + offload(params=true) + zero3"), rows) == 98.0
+    assert runner.expected_wall_s(cell("gc"), rows) == 7.0  # gc less gc: baseline's techniques
+    assert runner.expected_wall_s(cell("qlora"), rows) == 0.0
+    assert runner.expected_wall_s(cell("lora"), rows) == 0.0  # a row without its wall time says nothing
 
 
 def test_a_slimmed_wheel_drops_the_libraries_asked_and_still_installs(tmp_path: Path) -> None:

@@ -54,6 +54,26 @@ def test_tiny_matrix_end_to_end_then_resume_runs_nothing(workdir: Path) -> None:
     assert "done: 8 ok" in again.stdout
 
 
+def test_a_run_with_a_deadline_starts_no_cell_that_would_end_after_it_and_goes_on_later(workdir: Path) -> None:
+    """--stop-at (tools/gpu-window.sh passes its window's end): a cell whose stack's earlier rows say it would
+    end after the deadline is not started; the run exits 124 with the cells left, and the same command
+    later goes on from there. A stack with no earlier row starts (nothing is known of it)."""
+    import time
+
+    write_matrix(workdir, TINY.replace("stacks: [baseline, gc, lora, mixed]", "stacks: [baseline]")
+                 .replace("ladder: [baseline, gc]", "ladder: [baseline]"))
+    early = run_bench(workdir, "run", "tiny", "--run-id", "d", "--stop-at", str(time.time() + 600), "--only", "*_b1_*")
+    assert early.returncode == 0, early.stdout + early.stderr  # one cell, ten minutes to spare
+    [first] = raw_rows(workdir, "d").values()
+    deadline = time.time() + first["wall_s"] / 2  # less than the next cell of its stack is expected to take
+    stopped = run_bench(workdir, "run", "tiny", "--run-id", "d", "--stop-at", str(deadline))
+    assert stopped.returncode == 124, stopped.stdout + stopped.stderr
+    assert "stopped before tiny-llama_s32_b2_baseline" in stopped.stderr and "1 cells left" in stopped.stdout
+    assert len(raw_rows(workdir, "d")) == 1
+    later = run_bench(workdir, "run", "tiny", "--run-id", "d")
+    assert later.returncode == 0 and "done: 2 ok" in later.stdout
+
+
 def _check_where_the_time_went(table: pd.DataFrame, board: str) -> None:
     """Each cell's wall time is accounted for by its stages, up to what the worker spends measuring."""
     stages = ["imports_wait_s", "build_s", "first_step_s", "warmup_s", "measured_s", "teardown_s"]

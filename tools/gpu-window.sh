@@ -22,6 +22,9 @@ mkdir -p "$marks" "$out"
 [ -f .gpu/setup.sh ] && source .gpu/setup.sh
 export PY=${PY:-python3} LLAMA3B_RUN=${LLAMA3B_RUN:-llama3b-h100-20261122}
 export BENCH_GIT_SHA=${BENCH_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# `bench run` starts no cell that its stack's earlier rows say would end after the window (15 s kept for its
+# tables and the tarball): a cell the window's end cuts is lost whole; it exits 124, as a cut step does
+[ "$budget_s" -gt 0 ] && export BENCH_STOP_AT=$((started + budget_s - 15))
 
 stall_s=${STALL_S:-120}
 
