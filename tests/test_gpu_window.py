@@ -66,6 +66,21 @@ def test_a_step_that_makes_no_progress_in_two_windows_is_given_up(tmp_path: Path
     assert "results/raw/next.txt" in names
 
 
+def test_a_step_that_stops_itself_before_a_long_cell_lets_the_next_steps_run_and_is_given_up_on_the_second(
+        tmp_path: Path) -> None:
+    """`bench run` exits 124 with time left when its next cell would outlast the window (--stop-at): the
+    window goes on to the steps after it, and the step runs first in the next window. Stopped so twice
+    without a new row (its cell outlasts even a whole window), it is given up; a row in between would have
+    reset the count."""
+    (tmp_path / "steps").write_text("long-cell: exit 124\nafter: touch results/raw/after.txt\n")
+    printed, names = _window(tmp_path, 120)
+    assert "long-cell: stopped before a cell that would outlast the window" in printed
+    assert "after: ended, exit 0" in printed and "results/raw/after.txt" in names
+    printed, _ = _window(tmp_path, 120)
+    assert "long-cell: stopped twice before its next cell without a new row: given up" in printed
+    assert "long-cell: ended in an earlier window (exit stalled)" in _window(tmp_path, 120)[0]
+
+
 def test_a_cells_expected_wall_time_is_its_stacks_else_that_of_the_same_techniques_but_checkpointing() -> None:
     """What `bench run --stop-at` weighs before starting a cell (bench/runner.expected_wall_s): the median wall
     of the run's rows of its stack; a stack never run is judged by the same techniques without gc (on the

@@ -23,7 +23,9 @@ mkdir -p "$marks" "$out"
 export PY=${PY:-python3} LLAMA3B_RUN=${LLAMA3B_RUN:-llama3b-h100-20261122}
 export BENCH_GIT_SHA=${BENCH_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 # `bench run` starts no cell that its stack's earlier rows say would end after the window (15 s kept for its
-# tables and the tarball): a cell the window's end cuts is lost whole; it exits 124, as a cut step does
+# tables and the tarball): a cell the window's end cuts is lost whole. It exits 124 then, with time left: the
+# steps after it use that time, and it resumes first in the next window (given up if it stops so twice without
+# a new row: its next cell would outlast any window)
 [ "$budget_s" -gt 0 ] && export BENCH_STOP_AT=$((started + budget_s - 15))
 
 stall_s=${STALL_S:-120}
@@ -36,10 +38,17 @@ rows_now() {  # files under results/raw, the window's own marks and logs left ou
   find results/raw -type f -not -path "$marks/*" | wc -l
 }
 
+stall() {  # NAME: one more stall of the step; prints how many it has had
+  local stalls=$(( $(cat "$marks/$1.stalls" 2>/dev/null || echo 0) + 1 ))
+  echo "$stalls" > "$marks/$1.stalls"; echo "$stalls"
+}
+
 cut_short() {  # NAME RAN_S ROWS_BEFORE: a step the window's end stopped; given up on its second stall
   local stalls=0
-  if [ "$2" -ge "$stall_s" ] && [ "$(rows_now)" -eq "$3" ]; then
-    stalls=$(( $(cat "$marks/$1.stalls" 2>/dev/null || echo 0) + 1 )); echo "$stalls" > "$marks/$1.stalls"
+  if [ "$(rows_now)" -ne "$3" ]; then
+    rm -f "$marks/$1.stalls"  # progress: earlier stalls were windows ending at a bad moment
+  elif [ "$2" -ge "$stall_s" ]; then
+    stalls=$(stall "$1")
   fi
   if [ "$stalls" -ge 2 ]; then
     echo stalled > "$marks/$1.done"
@@ -47,6 +56,16 @@ cut_short() {  # NAME RAN_S ROWS_BEFORE: a step the window's end stopped; given 
   else
     echo "$1: cut by the window's end after $2 s; it resumes in the next"
   fi
+}
+
+stopped_itself() {  # NAME ROWS_BEFORE: `bench run` stopped before a cell that would outlast the window
+  if [ "$(rows_now)" -ne "$2" ]; then
+    rm -f "$marks/$1.stalls"
+  elif [ "$(stall "$1")" -ge 2 ]; then  # twice without a row: its next cell outlasts even a whole window
+    echo stalled > "$marks/$1.done"
+    echo "$1: stopped twice before its next cell without a new row: given up (its log: $marks/$1.log)"; return
+  fi
+  echo "$1: stopped before a cell that would outlast the window; it resumes in the next, the steps after it go on"
 }
 
 while IFS= read -r line; do
@@ -63,6 +82,9 @@ while IFS= read -r line; do
   rows=$(rows_now) step_started=$(date +%s)
   timeout --signal=TERM --kill-after=20 "$left" bash -c "$command" >> "$marks/$name.log" 2>&1
   rc=$?
+  if [ "$rc" -eq 124 ] && [ "$(left_s)" -gt 30 ]; then  # not the timeout: the step's own --stop-at
+    stopped_itself "$name" "$rows"; continue
+  fi
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     cut_short "$name" $(( $(date +%s) - step_started )) "$rows"; break
   fi
