@@ -322,11 +322,10 @@ def test_a_random_checkpoint_holds_the_plain_builds_weights_and_gpu_cells_prefer
     assert all(torch.equal(loaded[name], plain[name]) for name in plain)
 
     assert checkpoints.for_load("tiny-llama", 3, "cuda") == made_on_cpu  # no GPU-drawn one yet
-    made_on_gpu = checkpoints.cache_dir() / made_on_cpu.name.replace("tiny-llama-", "tiny-llama-cuda-")
-    shutil.copytree(made_on_cpu, made_on_gpu)  # stands in for one `prepare` drew on a GPU: only its folder matters
-    assert checkpoints.for_load("tiny-llama", 3, "cuda") != made_on_gpu  # a folder of another key is not it
-    made_on_gpu.rename(checkpoints._path("tiny-llama", 3, "cuda"))
-    assert checkpoints.for_load("tiny-llama", 3, "cuda") == checkpoints._path("tiny-llama", 3, "cuda")
+    drawn_on_gpu = checkpoints._path("tiny-llama", 3, "cuda")
+    assert drawn_on_gpu != made_on_cpu and drawn_on_gpu.name.startswith("tiny-llama-cuda-")
+    shutil.copytree(made_on_cpu, drawn_on_gpu)  # stands in for one `prepare` drew on a GPU: only its folder matters
+    assert checkpoints.for_load("tiny-llama", 3, "cuda") == drawn_on_gpu
     assert checkpoints.for_load("tiny-llama", 3, "cpu") == made_on_cpu
 
     smoke = spec.get(REPO / "matrix.yaml", "smoke")
