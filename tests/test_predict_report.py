@@ -149,3 +149,32 @@ def test_another_kinds_prediction_stands_in_only_where_the_cards_size_shaped_nei
     assert set(on_h200["run_id_predicted"]) == {"same-software"}
     on_h100 = report.checked(results_dir).query("gpu_name != 'NVIDIA H200'")
     assert {squeezed, calm}.issubset(on_h100["cell_id"])  # on its own kind a prediction always stands
+
+
+def test_only_a_prediction_made_before_a_cells_first_run_counts_as_made_before_it(tmp_path: Path) -> None:
+    """PREDICTION.md's "Predicted before the GPU ran it": a cell predicted a minute before its first run is
+    listed with that prediction's own error (not the newer, exact one's); a cell predicted after its first
+    run but before a later repeat is not, nor one predicted only after."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")  # exact, made after
+    measured = pd.read_parquet(MEASURED_RUN)
+    ok = measured[measured["status"] == "ok"].drop_duplicates("cell_id")
+    early, repeated = ok["cell_id"].iloc[0], ok["cell_id"].iloc[1]
+    first_ran = pd.to_datetime(ok.set_index("cell_id")["started_at"], utc=True)
+    repeat = ok[ok["cell_id"] == repeated].assign(run_id="later-run", started_at="2026-12-01T00:00:00+00:00")
+    repeat.to_parquet(results_dir / "llama3b" / "runs" / "later-run.parquet")
+    stand_in = pd.read_parquet(results_dir / "llama3b" / "predicted" / "same-software.parquet")
+    older = stand_in[stand_in["cell_id"].isin([early, repeated])].copy()
+    older["run_id"] = "made-earlier"
+    older["peak_reserved_gib"] *= 1.10  # its own error, +10%, where the newest prediction's is 0
+    older["started_at"] = [(first_ran[early] - pd.Timedelta(minutes=1)).isoformat() if c == early
+                           else "2026-11-30T00:00:00+00:00" for c in older["cell_id"]]  # after the first run
+    older.to_parquet(results_dir / "llama3b" / "predicted" / "made-earlier.parquet")
+    # the other published predictions (llama3b-predicted-h100-20261123) came after every cell's first run
+
+    report.publish(results_dir)
+    text = (results_dir / "PREDICTION.md").read_text()
+    section = text.split("### Predicted before the GPU ran it", 1)[1].split("###", 1)[0]
+    listed = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(listed) == 1 and f"`{early}`" in listed[0]
+    assert listed[0].endswith("| +10.00% (+0.00%) |")  # its own error, and in brackets the newest prediction's
+    assert f"1 of the {report.measured_gpu_cells(results_dir).shape[0]} measurements had one" in section

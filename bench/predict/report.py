@@ -27,15 +27,20 @@ def predictions(results_dir: Path, matrix: str | None = None, every_software: bo
     """Every predicted row under results_dir (of one matrix, if given), the newest per cell id (with
     `prefer`, a software label: the newest made under it where the cell has one); with every_software,
     the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
-    pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
-    frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
-    if not frames:
-        return results.to_frame([], results.PREDICTED)
-    frame = pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable")
+    frame = every_prediction(results_dir, matrix)
     if prefer is not None:  # the preferred software's rows last, so the newest of them is kept
         frame = frame.iloc[(software(frame) == prefer).to_numpy().argsort(kind="stable")]
     keys = frame.assign(software=software(frame))[["cell_id", "software", "gpu_kind"] if every_software else ["cell_id"]]
     return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
+
+
+def every_prediction(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
+    """Every predicted row under results_dir (of one matrix, if given), the old ones too, oldest first."""
+    pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
+    frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
+    if not frames:
+        return results.to_frame([], results.PREDICTED)
+    return pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable").reset_index(drop=True)
 
 
 def software_label(torch_version: object, transformers_version: object) -> str:
@@ -56,7 +61,9 @@ def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
 
 def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
     """Every published GPU cell that ran to the end, one row per cell and GPU kind: repeats on one kind
-    folded; a cell measured on an H100 and on an H200 is two measurements, each its own row."""
+    folded; a cell measured on an H100 and on an H200 is two measurements, each its own row. Added:
+    `first_run_at`, when the cell first ran on that kind (any run, any status: from then on its figure,
+    or that it ran out of memory, was known)."""
     pattern = f"{matrix}/runs/*.parquet" if matrix else "*/runs/*.parquet"
     frames = [results.read_parquet(p) for p in sorted(results_dir.glob(pattern))]
     runs = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
@@ -65,19 +72,24 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
         return results.to_frame([])
     kind = runs["gpu_name"].fillna("?")  # a row that did not record its GPU: one kind of its own
     run_ids = runs.groupby([runs["cell_id"], kind])["run_id"].agg(lambda ids: ", ".join(sorted(set(ids))))
+    first_run_at = pd.to_datetime(runs["started_at"], utc=True).groupby([runs["cell_id"], kind]).min()
     frame = pd.concat([by_cell(rows) for _, rows in runs.groupby(kind, sort=True)], ignore_index=True)
     frame = frame[frame["status"] == "ok"].drop_duplicates(["cell_id", "gpu_name"], keep="last")
-    keys = zip(frame["cell_id"], frame["gpu_name"].fillna("?"), strict=True)
-    return frame.assign(run_id=[run_ids[key] for key in keys])
+    keys = list(zip(frame["cell_id"], frame["gpu_name"].fillna("?"), strict=True))
+    return frame.assign(run_id=[run_ids[key] for key in keys], first_run_at=[first_run_at[key] for key in keys])
 
 
-def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool = False) -> pd.DataFrame:
+def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool = False,
+          made_before_run: bool = False) -> pd.DataFrame:
     """Measured cells with an `ok` prediction: both peaks and the error. Where a measurement has several
     predictions, the newest made for its GPU kind with the measured run's software, else for another kind
     where the card's size shaped neither (`_size_free`), else the newest; with any_software, one pair for
-    each software's."""
+    each software's. With made_before_run, only predictions made before the cell first ran on that GPU
+    kind (`first_run_at`, see measured_gpu_cells) are chosen from."""
     ok = predicted[predicted["status"] == "ok"]
     both = measured.merge(ok, on="cell_id", suffixes=("", "_predicted"))
+    if made_before_run:
+        both = both[pd.to_datetime(both["started_at_predicted"], utc=True) < both["first_run_at"]]
     both["same_gpu"] = both["gpu_kind"].map(GPU_NAMES) == both["gpu_name"]
     both = both[both["same_gpu"].fillna(False).astype(bool) | _size_free(both)]
     both["same_software"] = software(both) == software(both, "_predicted")
@@ -112,8 +124,9 @@ def checked(results_dir: Path) -> pd.DataFrame:
     return pairs(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True))
 
 
-def markdown(measured: pd.DataFrame, predicted: pd.DataFrame) -> str:
-    """PREDICTION.md; `predicted` may hold several predictions of a cell, one per software."""
+def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFrame | None = None) -> str:
+    """PREDICTION.md; `predicted` may hold several predictions of a cell, one per software; `every`, every
+    prediction ever published (`every_prediction`), for what was predicted before the GPU ran a cell."""
     both = pairs(measured, predicted)
     known = predicted.drop_duplicates("cell_id", keep="last").set_index("cell_id")  # each cell's newest word
     unsupported = measured[measured["cell_id"].map(lambda c: c in known.index and known.loc[c, "status"] == "unsupported")]
@@ -128,6 +141,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame) -> str:
     lines += _sources(both)
     lines += _summary(both, len(unsupported), len(missing))
     lines += _by_software(measured, predicted)
+    lines += _made_before_run(measured, every, both) if every is not None else []
     lines += _by_method(both, predicted)
     if len(both):
         lines += ["| cell | GPU | stack | seq | batch | allocated GiB: measured | predicted | error | "
@@ -297,12 +311,49 @@ def _methods(every: pd.DataFrame, release: str, measurements: set[str]) -> str:
 
 
 def _release_errors(every: pd.DataFrame, release: str, measurements: set[str]) -> list[str]:
-    """A release's predictions of those measurements: allocated and reserved median / max abs error, and how
-    many cells' reserved errs by more than 1% and by more than 3%."""
-    group = every[(every["software_predicted"] == release) & every["measurement"].isin(measurements)]
+    """A release's predictions of those measurements: see `_errors`."""
+    return _errors(every[(every["software_predicted"] == release) & every["measurement"].isin(measurements)])
+
+
+def _errors(group: pd.DataFrame) -> list[str]:
+    """Pairs' allocated and reserved median / max abs error, and how many cells' reserved errs by more
+    than 1% and by more than 3%."""
     reserved = group["reserved_error_frac"].dropna().abs()
     return [_median_max(group["error_frac"]), _median_max(group["reserved_error_frac"]), str((reserved > 0.01).sum()),
             str((reserved > 0.03).sum())]
+
+
+def _made_before_run(measured: pd.DataFrame, every: pd.DataFrame, now: pd.DataFrame) -> list[str]:
+    """What the predictor said before the GPU ran a cell: each measured cell's newest prediction made
+    before the cell first ran on that GPU kind (chosen as `pairs` chooses), its errors beside those of the
+    prediction the tables above use. Those are made by methods that have seen the measurements; these could
+    not have been fitted to them."""
+    before = pairs(measured, every, made_before_run=True)
+    lines = ["### Predicted before the GPU ran it", "",
+             "Each measured cell that had a prediction (`started_at`) before it first ran on that GPU kind: the newest "
+             "such prediction, and its errors — what the predictor said without having seen the figure. The tables "
+             "above use each cell's newest prediction, by methods made since with these measurements in view: their "
+             "errors are in brackets, on the same cells.", ""]
+    if before.empty:
+        return [*lines, "No measured cell had a prediction before it ran yet.", ""]
+    keys = ["cell_id", "gpu_name"]
+    now = before[keys].merge(now, on=keys, how="left")
+    methods = ", ".join(sorted(before["prediction_method"].dropna().astype(str).unique()))
+    lines += [f"{len(before)} of the {len(measured)} measurements had one; the others ran before any prediction of "
+              "them.", "",
+              "| cells | allocated: median / max abs error | reserved: median / max abs error | reserved over 1% | "
+              "over 3% | methods |", "|---|---|---|---|---|---|",
+              f"| {len(before)} | " + " | ".join(f"{a} ({b})" for a, b in zip(_errors(before), _errors(now), strict=True))
+              + f" | {methods} |", "",
+              "| cell | GPU | first ran | predicted | method, under | allocated error | reserved error (now) |",
+              "|---|---|---|---|---|---|---|"]
+    reserved_now = now.set_index(keys)["reserved_error_frac"]
+    for _, r in before.sort_values("first_run_at", kind="stable").iterrows():
+        lines.append(f"| `{r['cell_id']}` | {r['gpu_name']} | {r['first_run_at']:%Y-%m-%d %H:%M} | "
+                     f"{str(r['started_at_predicted'])[:16].replace('T', ' ')} | {r['prediction_method']}, "
+                     f"{r['software_predicted']} | {r['error_frac']:+.2%} | {_signed(r['reserved_error_frac'])} "
+                     f"({_signed(reserved_now.get((r['cell_id'], r['gpu_name'])))}) |")
+    return [*lines, ""]
 
 
 def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
@@ -351,7 +402,8 @@ def _signed(x: object) -> str:
 
 def publish(results_dir: Path) -> Path:
     path = results_dir / "PREDICTION.md"
-    path.write_text(markdown(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True)))
+    path.write_text(markdown(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True),
+                             every_prediction(results_dir)))
     return path
 
 
