@@ -69,7 +69,7 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
     runs = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
     runs = runs[runs["device"] == "cuda"]
     if runs.empty:
-        return results.to_frame([])
+        return results.to_frame([]).assign(first_run_at=pd.Series(dtype="datetime64[ns, UTC]"))
     kind = runs["gpu_name"].fillna("?")  # a row that did not record its GPU: one kind of its own
     run_ids = runs.groupby([runs["cell_id"], kind])["run_id"].agg(lambda ids: ", ".join(sorted(set(ids))))
     first_run_at = pd.to_datetime(runs["started_at"], utc=True).groupby([runs["cell_id"], kind]).min()
