@@ -104,19 +104,28 @@ def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool
 
 def _size_free(both: pd.DataFrame) -> pd.Series:
     """Whether a prediction made for another GPU kind holds for the measured card: neither freed its cache
-    to retry an allocation, and the predicted reserved fits the measured card. Else the card's size shaped
-    the figures: an allocator near its card's end frees cached blocks and reserves less (ZeRO-2 on
-    Llama-3.2-3B: 77.9 GiB predicted under an H100's 79.6 with one retry, 89.8 measured on an H200).
-    A prediction older than the retries column counts as calm; a card of unknown size is not tested."""
-    def number(column: str) -> pd.Series:  # an absent figure or column (an older table's): NaN
-        if column not in both:
-            return pd.Series(float("nan"), index=both.index)
-        return pd.to_numeric(both[column], errors="coerce").astype(float)
+    to retry an allocation, and the predicted reserved fits the measured card (`stands_in`). A measured
+    row older than the retries column counts as calm."""
+    calm = _number(both, "alloc_retries").fillna(0) == 0
+    return calm & stands_in(both, _number(both, "gpu_memory_gib"), suffix="_predicted")
 
-    calm = (number("alloc_retries").fillna(0) == 0) & (number("alloc_retries_predicted").fillna(0) == 0)
-    card_gib = number("gpu_memory_gib")
-    within = card_gib.isna() | (number("peak_reserved_gib_predicted") < card_gib)  # a size unknown: no test
-    return calm & within
+
+def stands_in(predicted: pd.DataFrame, card_gib: pd.Series | float, suffix: str = "") -> pd.Series:
+    """Whether predictions made for one GPU kind hold for a card of card_gib (NaN: a size unknown, not
+    tested): the predicted allocator never freed its cache to retry an allocation, and its peak reserved
+    fits the card. Else the card's size shaped the figures: an allocator near its card's end frees cached
+    blocks and reserves less (ZeRO-2 on Llama-3.2-3B: 77.9 GiB predicted under an H100's 79.6 with one
+    retry, 89.8 measured on an H200). A prediction older than the retries column counts as calm."""
+    card = card_gib if isinstance(card_gib, pd.Series) else pd.Series(card_gib, index=predicted.index, dtype=float)
+    calm = _number(predicted, f"alloc_retries{suffix}").fillna(0) == 0
+    return calm & (card.isna() | (_number(predicted, f"peak_reserved_gib{suffix}") < card))
+
+
+def _number(frame: pd.DataFrame, column: str) -> pd.Series:
+    """A column as floats; an absent figure or column (an older table's): NaN."""
+    if column not in frame:
+        return pd.Series(float("nan"), index=frame.index)
+    return pd.to_numeric(frame[column], errors="coerce").astype(float)
 
 
 def checked(results_dir: Path) -> pd.DataFrame:
