@@ -82,7 +82,8 @@ class Sources:
         # the releases the GPU runs measured under (the most common): predictions under them are shown where made,
         # so a table's bold and italic figures come from the same code; else the newest prediction
         self.software = predict_report.software(measured).mode().iloc[0] if len(measured) else None
-        predicted = predict_report.predictions(results_dir, prefer=self.software)
+        # for the card the reports ran on: another card's allocator (an H200's) never retries where the H100's does
+        predicted = predict_report.predictions(results_dir, prefer=self.software, gpu_kind=CARD.key)
         self.measured = _by_id(_failed_gpu_cells(results_dir), measured)
         self.predicted = predicted.set_index("cell_id", drop=False)
         self.pairs = predict_report.pairs(measured, predict_report.predictions(results_dir, every_software=True))

@@ -82,3 +82,17 @@ def test_the_save_answer_says_what_a_save_adds_on_the_host_from_the_save_rows(tm
     assert f"| `{below.cell_id}` | full | **31.0** | **31.0** | **≤ 5.00** |  |" in section
     assert f"| `{above.cell_id}` | full |  |  | **9.00** | **5.00** |" in section  # no reserved in this row
     assert "the save reserved at most **0.00 GiB** (measured) more than training over 1 measured save cells" in section
+
+
+def test_a_prediction_for_another_card_does_not_stand_for_the_h100s(tmp_path: Path) -> None:
+    """The reports ran on an 80 GB card: a newer prediction made for an H200, whose allocator never had to
+    retry, must not replace the H100's (`> card` there), nor give an H200 figure under the H100's verdict."""
+    results_dir = tmp_path / "results"
+    cell = scenarios.Sources(results_dir, REPO / "matrix.yaml").planned("playbook")[0]
+    results.write_parquet([{**_row(cell.cell_id, "ok", 75.0), "prediction_method": "fake-run/10", "fits": fits,
+                            "gpu_kind": kind, "started_at": at} for kind, fits, at in
+                           (("h100", False, "2026-11-23T00:00:00+00:00"), ("h200", True, "2026-11-28T00:00:00+00:00"))],
+                          results_dir / "playbook" / "predicted" / "p.parquet", table=results.PREDICTED)
+    sources = scenarios.Sources(results_dir, REPO / "matrix.yaml")
+    assert sources.figure(cell).cell() == "*75.0 > card*"
+    assert sources.figure(cell).row["gpu_kind"] == "h100"  # type: ignore[index]

@@ -23,11 +23,14 @@ GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the
 
 
 def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False,
-                prefer: str | None = None) -> pd.DataFrame:
-    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id (with
-    `prefer`, a software label: the newest made under it where the cell has one); with every_software,
-    the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
+                prefer: str | None = None, gpu_kind: str | None = None) -> pd.DataFrame:
+    """Every predicted row under results_dir (of one matrix, if given; made for one GPU kind, if given),
+    the newest per cell id (with `prefer`, a software label: the newest made under it where the cell has
+    one); with every_software, the newest per cell id, software (see `software`) and GPU kind, for `pairs`
+    to choose from."""
     frame = every_prediction(results_dir, matrix)
+    if gpu_kind is not None:  # a row that names no kind is not known to be another card's: kept
+        frame = frame[(frame["gpu_kind"] == gpu_kind).fillna(True).astype(bool)]
     if prefer is not None:  # the preferred software's rows last, so the newest of them is kept
         frame = frame.iloc[(software(frame) == prefer).to_numpy().argsort(kind="stable")]
     keys = frame.assign(software=software(frame))[["cell_id", "software", "gpu_kind"] if every_software else ["cell_id"]]
