@@ -351,6 +351,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
     opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, args.gpu_memory_gib, args.jobs, args.redo,
                                          args.host_memory_gib)
+    kept = predict_runner.records_redo_would_replace(planned, opts)
+    if kept:
+        raise spec.SpecError(f"--redo would replace {len(kept)} prediction(s) of run {run_id} made before a GPU first ran "
+                             f"the cell ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}): PREDICTION.md's "
+                             "'Predicted before the GPU ran it' rests on them; predict again under a new --run-id")
     print(f"predict {run_id}: {len(planned)} cells of {matrix.name!r} for {gpu.name}, on this CPU (fake tensors)")
     rows = predict_runner.run(planned, opts, envinfo.provenance(envinfo.host_caps()), _print_prediction)
     table = predict_runner.write_table(opts, matrix)

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from bench import models, segments, spec, trainer
+from bench import models, results, segments, spec, trainer
 from bench.cells import make_cell
 from bench.checkpoints import random_checkpoint
 from bench.predict import bnb, fake, gpus, hybrid
@@ -1194,6 +1194,18 @@ def test_predict_says_what_it_cannot_predict_and_refuses_bad_input(workdir: Path
     assert list(cloned_table["cell_id"]) == list(table["cell_id"])
     assert cloned_table.set_index("cell_id").loc[rows[("zero2", 1)]["cell_id"], "peak_allocated_gib"] == \
         again_table.set_index("cell_id").loc[rows[("zero2", 1)]["cell_id"], "peak_allocated_gib"]
+
+    # once a GPU has run a cell, its prediction made before is a record (PREDICTION.md): --redo refuses to replace it
+    results.write_parquet([{"schema_version": 6, "run_id": "gpu", "cell_id": rows[("baseline", 1)]["cell_id"],
+                            "status": "ok", "device": "cuda", "gpu_name": "NVIDIA H100 80GB HBM3",
+                            "started_at": "2100-01-01T00:00:00+00:00"}], workdir / "results" / "p" / "runs" / "gpu.parquet")
+    baseline = rows[("baseline", 1)]["cell_id"]
+    kept = run_bench(workdir, "predict", "p", "--run-id", "p1", "--only", baseline, "--redo")
+    assert kept.returncode == 2 and "made before a GPU first ran the cell" in kept.stderr, kept.stderr
+    assert "predict p1" not in kept.stdout  # nothing run
+    assert pd.read_parquet(workdir / "results" / "p" / "predicted" / "p1.parquet").equals(cloned_table)
+    renamed = run_bench(workdir, "predict", "p", "--run-id", "p2", "--only", baseline, "--redo")
+    assert renamed.returncode == 0, renamed.stderr  # under a new run id
 
     for args, message in ((("predict", "nope"), "nope"), (("predict", "p", "--only", "*zzz*"), "matches no cell"),
                           (("predict", "p", "--gpu", "h900"), "unknown GPU kind 'h900'"),

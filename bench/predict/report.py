@@ -67,10 +67,7 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
     folded; a cell measured on an H100 and on an H200 is two measurements, each its own row. Added:
     `first_run_at`, when the cell first ran on that kind (any run, any status: from then on its figure,
     or that it ran out of memory, was known)."""
-    pattern = f"{matrix}/runs/*.parquet" if matrix else "*/runs/*.parquet"
-    frames = [results.read_parquet(p) for p in sorted(results_dir.glob(pattern))]
-    runs = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
-    runs = runs[runs["device"] == "cuda"]
+    runs = _gpu_rows(results_dir, matrix)
     if runs.empty:
         return results.to_frame([]).assign(first_run_at=pd.Series(dtype="datetime64[ns, UTC]"))
     kind = runs["gpu_name"].fillna("?")  # a row that did not record its GPU: one kind of its own
@@ -80,6 +77,20 @@ def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataF
     frame = frame[frame["status"] == "ok"].drop_duplicates(["cell_id", "gpu_name"], keep="last")
     keys = list(zip(frame["cell_id"], frame["gpu_name"].fillna("?"), strict=True))
     return frame.assign(run_id=[run_ids[key] for key in keys], first_run_at=[first_run_at[key] for key in keys])
+
+
+def _gpu_rows(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
+    """Every published row a GPU ran (of one matrix, if given), whatever its status."""
+    pattern = f"{matrix}/runs/*.parquet" if matrix else "*/runs/*.parquet"
+    frames = [results.read_parquet(p) for p in sorted(results_dir.glob(pattern))]
+    runs = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
+    return runs[runs["device"] == "cuda"]
+
+
+def first_runs(results_dir: Path, matrix: str | None = None) -> pd.Series:
+    """When each cell first ran on a GPU, any kind (cell id -> UTC time)."""
+    runs = _gpu_rows(results_dir, matrix)
+    return pd.to_datetime(runs["started_at"], utc=True).groupby(runs["cell_id"]).min()
 
 
 def pairs(measured: pd.DataFrame, predicted: pd.DataFrame, *, any_software: bool = False,

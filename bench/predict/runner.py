@@ -22,11 +22,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from .. import cells, results
 from ..cells import Cell, PlannedCell
 from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
-from . import gpus
+from . import gpus, report
 
 METHOD = "fake-run/10"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
@@ -85,6 +87,17 @@ def known_rows(opts: PredictOptions) -> dict[str, dict[str, Any]]:
     rows), under the raw rows of this machine."""
     published = results.published_rows(opts.results_dir, opts.run_id, folder="predicted")
     return {**published, **results.read_raw(opts.results_dir / "raw" / opts.run_id, results.PREDICTED)}
+
+
+def records_redo_would_replace(planned: list[PlannedCell], opts: PredictOptions) -> list[str]:
+    """With --redo, the planned cells whose prediction in this run was made before a GPU first ran the cell:
+    PREDICTION.md's "Predicted before the GPU ran it" rests on them, and a prediction made again now would
+    have been made after the measurement. A new run id keeps them."""
+    if not opts.redo:
+        return []
+    rows, first = known_rows(opts), report.first_runs(opts.results_dir)
+    return [pc.cell.cell_id for pc in planned if pc.cell.cell_id in rows and pc.cell.cell_id in first.index
+            and pd.Timestamp(rows[pc.cell.cell_id]["started_at"]) < first[pc.cell.cell_id]]
 
 
 def _run(planned: list[PlannedCell], rows: dict[str, dict[str, Any]], raw_dir: Path, opts: PredictOptions,
