@@ -165,6 +165,10 @@ def _record_lines(a: Answer) -> list[str]:
     low, high = min(r.reserved_errors), max(r.reserved_errors)
     line = (f"  its kind's record: peak reserved predicted {low:+.2%} to {high:+.2%} of measured on the "
             f"{len(r.reserved_errors)} published GPU cells predicted as this one ({r.kind}; results/PREDICTION.md)")
+    if r.reserved_errors_before_run:
+        before = r.reserved_errors_before_run
+        line += (f"; predicted before a GPU ran them, by the methods of the time: {min(before):+.2%} to "
+                 f"{max(before):+.2%} on {len(before)}")
     headroom = a.predicted.get("headroom_gib")
     if a.verdict == "fits" and headroom is not None and low < 0:
         miss_gib = a.predicted["peak_reserved_gib"] * -low / (1 + low)  # measured = predicted / (1 + error)
@@ -373,6 +377,7 @@ def as_json(a: Answer) -> str:
     return json.dumps({"cell_id": a.cell.cell_id, "verdict": a.verdict, "gpu": a.card.key,
                        "gpu_memory_gib": a.card.memory_gib, "predicted": _plain(a.predicted),
                        "measured": list(a.measured),
-                       "record": None if a.record is None else {"kind": a.record.kind,
-                                                                 "reserved_errors": list(a.record.reserved_errors)}},
+                       "record": None if a.record is None else {
+                           "kind": a.record.kind, "reserved_errors": list(a.record.reserved_errors),
+                           "reserved_errors_before_run": list(a.record.reserved_errors_before_run)}},
                       default=str, indent=1)

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from bench import ask, cli, envinfo, fit, models, results
@@ -165,6 +166,15 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
     assert sorted(with_offload.reserved_errors) == sorted(offloaded["reserved_error_frac"])
     assert len(predict_report.record(tmp_path, "hybrid/18", 1, offload=False).reserved_errors) == len(zero) - len(offloaded)
     assert predict_report.record(tmp_path, "fake-run/10", 8, offload=False).reserved_errors == ()  # no 8-GPU cell
+    assert with_offload.reserved_errors_before_run == ()  # these predictions were made after the GPU ran the cells
+    early = pd.read_parquet(tmp_path / "llama3b" / "predicted" / "llama3b-predicted-h200-torch211-20261128.parquet")
+    early = early.assign(run_id="early", started_at="2000-01-01T00:00:00+00:00",
+                         peak_reserved_gib=early["peak_reserved_gib"] * 1.1)  # 10% over what the newer ones say
+    early.to_parquet(tmp_path / "llama3b" / "predicted" / "early.parquet")
+    before = predict_report.record(tmp_path, "hybrid/18", 1, offload=True)
+    assert before.reserved_errors == with_offload.reserved_errors  # the newest predictions, as before
+    expected = (offloaded["peak_reserved_gib_predicted"] * 1.1 - offloaded["peak_reserved_gib"]) / offloaded["peak_reserved_gib"]
+    assert sorted(before.reserved_errors_before_run) == pytest.approx(sorted(expected))
 
     record = predict_report.Record("ZeRO, hybrid, with offload", (-0.0623, 0.0319))
     row = {"peak_phase": "measure/backward", "peak_reserved_gib": 15.53, "predict_s": 1.0, "fits": True}
@@ -174,6 +184,10 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
             "would need 1.03 GiB more here, over the 0.50 GiB to spare: measure before relying on it") in tight
     roomy = ask.text(replace(_answer(**row, headroom_gib=5.0), record=record))
     assert "its kind's record" in roomy and "measure before relying on it" not in roomy
+    earlier = ask.text(replace(_answer(**row, headroom_gib=5.0), record=replace(record, reserved_errors_before_run=(
+        -0.0569, 0.0319, -0.0623))))
+    assert ("(ZeRO, hybrid, with offload; results/PREDICTION.md); predicted before a GPU ran them, by the methods of the "
+            "time: -6.23% to +3.19% on 3") in earlier
     unchecked = ask.text(replace(_answer(**row, headroom_gib=5.0), record=predict_report.Record("k", ())))
     assert "no published GPU cell predicted as this one (k) checks it yet" in unchecked
 

@@ -247,11 +247,14 @@ METHODS = (
 class Record:
     """How the predictions made as one cell's was have fared on the published GPU cells: the way they are
     made (`kind`: the method, with or without offload) and each such cell's peak reserved error, predicted
-    - measured over measured. Offload sets a kind apart: with it, host-device copies and the frees that
-    wait on them are where the hybrid's peak reserved misses most (PREDICTION.md)."""
+    - measured over measured; and the errors of that kind's predictions made before a GPU ran their cells
+    (by the methods of the time: a new cell's prediction is one too). Offload sets a kind apart: with it,
+    host-device copies and the frees that wait on them are where the hybrid's peak reserved misses most
+    (PREDICTION.md)."""
 
     kind: str
     reserved_errors: tuple[float, ...]
+    reserved_errors_before_run: tuple[float, ...] = ()
 
 
 def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
@@ -259,11 +262,19 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     one = pd.DataFrame({"prediction_method": [method], "gpus": [gpus]})
     label, of = next(((label, of) for label, of in METHODS if of(one).iloc[0]), (method, None))
     kind = f"{label}, {'with' if offload else 'without'} offload"
-    both = checked(results_dir)
-    if of is None or both.empty:
+    if of is None:
         return Record(kind, ())
-    alike = both[of(both) & (both["host_peak_gib"].notna() == offload)]["reserved_error_frac"].dropna()
-    return Record(kind, tuple(float(e) for e in alike))
+    measured = measured_gpu_cells(results_dir)
+    now = pairs(measured, predictions(results_dir, every_software=True))
+    before = pairs(measured, every_prediction(results_dir), made_before_run=True)
+
+    def alike(both: pd.DataFrame) -> tuple[float, ...]:
+        if both.empty:
+            return ()
+        errors = both[of(both) & (both["host_peak_gib"].notna() == offload)]["reserved_error_frac"].dropna()
+        return tuple(float(e) for e in errors)
+
+    return Record(kind, alike(now), alike(before))
 
 
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
