@@ -28,7 +28,8 @@ from .. import cells, results
 from ..cells import Cell, PlannedCell
 from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
-from . import gpus, report
+from . import gpus
+from . import report as predict_report  # not `report`: _run's callback is named so
 
 METHOD = "fake-run/10"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
@@ -95,7 +96,7 @@ def records_redo_would_replace(planned: list[PlannedCell], opts: PredictOptions)
     have been made after the measurement. A new run id keeps them."""
     if not opts.redo:
         return []
-    rows, first = known_rows(opts), report.first_runs(opts.results_dir)
+    rows, first = known_rows(opts), predict_report.first_runs(opts.results_dir)
     return [pc.cell.cell_id for pc in planned if pc.cell.cell_id in rows and pc.cell.cell_id in first.index
             and pd.Timestamp(rows[pc.cell.cell_id]["started_at"]) < first[pc.cell.cell_id]]
 
