@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,72 @@ def publish(summary: list[dict], probe_rows: list[dict], out_dir: Path, run_id: 
     frame = pd.DataFrame(summary)
     frame.to_parquet(out_dir / f"{run_id}.parquet")
     results.write_parquet(probe_rows, out_dir / f"{run_id}-probes.parquet")
+    probes = results.to_frame(probe_rows)
     board = out_dir / "FIT.md"
-    board.write_text(markdown(frame, results.to_frame(probe_rows)))
+    board.write_text(markdown(frame, probes, predicted_before(out_dir, pd.to_datetime(probes["started_at"], utc=True).min())))
     plot(frame, out_dir / "plots" / f"{run_id}_max_batch.png")
     return board
 
 
-def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
+@dataclass(frozen=True)
+class Foretold:
+    """A predicted frontier made before a measured one: its run id, when its last fake run started, and
+    each search's answer (`_answer`) by search (`_search`)."""
+
+    run_id: str
+    made_at: pd.Timestamp
+    answers: dict[tuple[Any, ...], str]
+
+
+def predicted_before(fit_dir: Path, started: pd.Timestamp) -> Foretold | None:
+    """The newest predicted frontier in fit_dir whose fake runs all started before `started` (the
+    measured fit's first probe): what `bench fit --predict` said before the GPU searched."""
+    found = []
+    for cells in fit_dir.glob("*-predictions.parquet"):  # what only a predicted frontier writes beside its searches
+        made = pd.to_datetime(pd.read_parquet(cells, columns=["started_at"])["started_at"], utc=True).max()
+        searches = cells.with_name(cells.name.removesuffix("-predictions.parquet") + ".parquet")
+        if made < started and searches.exists():
+            found.append((made, searches))
+    if not found:
+        return None
+    made, searches = max(found)
+    return Foretold(searches.stem, made, {_search(r): _answer(r) for _, r in pd.read_parquet(searches).iterrows()})
+
+
+def _search(r: pd.Series) -> tuple[Any, ...]:
+    """A search's identity, the same in a predicted and a measured frontier."""
+    at = r["seq_len"] if r["axis"] == "batch" else r["batch_size"]
+    return r["model"], r["stack"], r["axis"], int(at), float(r["budget_gib"])
+
+
+def _answer(r: pd.Series) -> str:
+    """A search's answer: the largest size that fits, "none" where none does, or why it has none."""
+    if pd.notna(r["largest_ok"]):
+        return str(int(r["largest_ok"]))
+    stopped = str(r.get("stopped") or "")
+    return {"unsupported": "not predicted"}.get(stopped.split(" at ")[0], stopped.split(" at ")[0]) if stopped else "none"
+
+
+def foretold_lines(summary: pd.DataFrame, foretold: Foretold | None) -> list[str]:
+    """The measured searches against the frontier predicted before them: how many the same, smaller (a
+    prediction on the safe side) or larger."""
+    if foretold is None:
+        return ["- Predicted before this run: no predicted frontier of this matrix was made before it "
+                "(`bench fit --predict`)."]
+    both = [(_size(_answer(r)), _size(foretold.answers.get(_search(r), ""))) for _, r in summary.iterrows()]
+    sizes = [(m, p) for m, p in both if m is not None and p is not None]
+    same, smaller = sum(m == p for m, p in sizes), sum(p < m for m, p in sizes)
+    return [f"- Predicted before this run: `{foretold.run_id}` (its last fake run {foretold.made_at:%Y-%m-%d %H:%M} "
+            f"UTC), column *predicted before*: of the {len(sizes)} searches both answered, {same} the same, {smaller} "
+            f"smaller (the safe side), {len(sizes) - same - smaller} larger."]
+
+
+def _size(answer: str) -> int | None:
+    """An answer as a size: 0 where none fits; None where there is no answer to compare."""
+    return int(answer) if answer.isdigit() else 0 if answer == "none" else None
+
+
+def markdown(summary: pd.DataFrame, probes: pd.DataFrame, foretold: Foretold | None = None) -> str:
     first = probes.iloc[0]
     where = (f"{first['gpu_name']}, torch {first['torch_version']}" if first["device"] == "cuda"
              else "CPU only: budgets are recorded but not enforced (no allocator to cap)")
@@ -35,29 +95,34 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame) -> str:
              "outside torch at start (the CUDA context). Not covered: memory allocated outside torch later "
              "(NCCL, bitsandbytes paged optimizer state).",
              "- Headroom = budget − device-level peak (NVML). Each search bisects the candidate sizes; "
-             "*probes* counts the sizes it needed, both sides of the boundary are probe rows in the parquet.", ""]
+             "*probes* counts the sizes it needed, both sides of the boundary are probe rows in the parquet.",
+             *foretold_lines(summary, foretold), ""]
+
+    def before(r: pd.Series) -> str:  # the predicted frontier's answer to the same search
+        return foretold.answers.get(_search(r), "") if foretold is not None else ""
+
     batch = summary[summary["axis"] == "batch"]
     for (budget, seq), group in batch.groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch", "",
-                  "| rank | model | stack | largest batch | tokens/s there | device peak GiB | headroom GiB | smallest OOM "
-                  "| probes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| rank | model | stack | largest batch | predicted before | tokens/s there | device peak GiB | "
+                  "headroom GiB | smallest OOM | probes |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         fits = group[group["largest_ok"].notna()].sort_values("tokens_per_s", ascending=False)
         for rank, (_, r) in enumerate(fits.iterrows(), 1):
-            lines.append(f"| {rank} | {r['model']} | `{r['stack']}` | {int(r['largest_ok'])} | {rate(r['tokens_per_s'])} | "
-                         f"{_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | {_int(r['smallest_oom'])} | "
-                         f"{r['probes']} |")
+            lines.append(f"| {rank} | {r['model']} | `{r['stack']}` | {int(r['largest_ok'])} | {before(r)} | "
+                         f"{rate(r['tokens_per_s'])} | {_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | "
+                         f"{_int(r['smallest_oom'])} | {r['probes']} |")
         for _, r in group[group["largest_ok"].isna()].iterrows():
-            lines.append(f"| — | {r['model']} | `{r['stack']}` | does not fit | | | | {_int(r['smallest_oom'])} | {r['probes']} |"
-                         + (f" {r['stopped']}" if r["stopped"] else ""))
+            lines.append(f"| — | {r['model']} | `{r['stack']}` | does not fit | {before(r)} | | | | {_int(r['smallest_oom'])} | "
+                         f"{r['probes']} |" + (f" {r['stopped']}" if r["stopped"] else ""))
         lines.append("")
     seq = summary[summary["axis"] == "seq"]
     if len(seq):
         lines += ["## Longest sequence at batch 1", "",
-                  "| budget GiB | model | stack | longest seq | smallest OOM seq | tokens/s | probes |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| budget GiB | model | stack | longest seq | predicted before | smallest OOM seq | tokens/s | probes |",
+                  "|---|---|---|---|---|---|---|---|"]
         for _, r in seq.sort_values(["budget_gib", "model", "stack"]).iterrows():
-            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
+            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | {before(r)} | "
                          f"{_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
     flagged = not_monotone(summary)

@@ -298,3 +298,34 @@ def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
     assert rows["8"] == "| 8 | 2,972 | OOM | OOM |  |"
     assert rows["80"] == "| 80 | 342,733 | 28,454 |  |  |"
     assert fitreport.beside_published(searches, "fit3b", "predicted") == []
+
+
+def test_a_measured_frontier_is_set_beside_the_one_predicted_before_it(tmp_path) -> None:
+    """FIT.md of a measured fit: each search beside the answer of the newest predicted frontier made before
+    the fit's first probe (not one made after), and how many of them agree, err small (the safe side) or
+    large; a search the prediction did not cover is shown as such and not counted."""
+    from bench import fitreport, results
+
+    def search(stack: str, budget: float, largest: float | None, stopped: str = "") -> dict:
+        return {"model": "tiny-llama", "stack": stack, "budget_gib": budget, "axis": "batch", "seq_len": 64,
+                "batch_size": None, "largest_ok": largest, "smallest_oom": None, "probes": 2, "stopped": stopped,
+                "not_monotone": "", "tokens_per_s": 1000.0 if largest else None, "nvml_peak_gib": None}
+
+    for run_id, made, answers in (("early", "2026-01-01T00:00:00+00:00", (4, None, None)),
+                                  ("late", "2026-12-01T00:00:00+00:00", (5, 3, 2))):
+        pd.DataFrame([search("baseline", 1.0, answers[0]), search("baseline", 2.0, answers[1]),
+                      search("compile", 1.0, answers[2], "unsupported at 1" if run_id == "early" else "")]
+                     ).to_parquet(tmp_path / f"{run_id}.parquet")
+        results.write_parquet([{"cell_id": "c", "status": "ok", "started_at": made}], tmp_path / f"{run_id}-predictions.parquet",
+                              table=results.PREDICTED)
+    measured = [search("baseline", 1.0, 5), search("baseline", 2.0, 3), search("compile", 1.0, 2)]
+    probe = {"run_id": "m", "cell_id": "p", "matrix": "f", "device": "cpu", "status": "ok", "wall_s": 10.0,
+             "started_at": "2026-06-01T00:00:00+00:00"}
+    board = fitreport.publish(measured, [probe], tmp_path, "m").read_text()
+    assert ("- Predicted before this run: `early` (its last fake run 2026-01-01 00:00 UTC), column *predicted before*: "
+            "of the 2 searches both answered, 0 the same, 2 smaller (the safe side), 0 larger.") in board
+    assert "| 1 | tiny-llama | `baseline` | 5 | 4 |" in board  # measured 5, predicted 4
+    assert "| tiny-llama | `baseline` | 3 | none |" in board  # predicted: none fits
+    assert "| tiny-llama | `compile` | 2 | not predicted |" in board
+    alone = fitreport.publish(measured, [{**probe, "started_at": "2025-01-01T00:00:00+00:00"}], tmp_path, "m2")
+    assert "no predicted frontier of this matrix was made before it" in alone.read_text()
