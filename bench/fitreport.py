@@ -61,8 +61,8 @@ def _answer(r: pd.Series) -> str:
     """A search's answer: the largest size that fits, "none" where none does, or why it has none."""
     if pd.notna(r["largest_ok"]):
         return str(int(r["largest_ok"]))
-    stopped = str(r.get("stopped") or "")
-    return {"unsupported": "not predicted"}.get(stopped.split(" at ")[0], stopped.split(" at ")[0]) if stopped else "none"
+    status = str(r.get("stopped") or "").split(" at ")[0]  # e.g. "unsupported at 1024": the search could not go on
+    return {"": "none", "unsupported": "not predicted"}.get(status, status)
 
 
 def foretold_lines(summary: pd.DataFrame, foretold: Foretold | None) -> list[str]:
@@ -237,13 +237,8 @@ def beside_published(summary: pd.DataFrame, matrix: str, kind: str) -> list[str]
 
 def _longest(search: pd.Series) -> str:
     """A seq search's answer as a cell: the longest that fit, OOM (not even the shortest), or why not."""
-    if pd.notna(search["largest_ok"]):
-        return f"{int(search['largest_ok']):,}"
-    stopped = str(search.get("stopped") or "")  # e.g. "unsupported at 1024": the search could not go on
-    if not stopped:
-        return "OOM"
-    status = stopped.split(" at ")[0]
-    return {"unsupported": "not predicted"}.get(status, status)
+    answer = _answer(search)
+    return f"{int(answer):,}" if answer.isdigit() else {"none": "OOM"}.get(answer, answer)
 
 
 def plot(summary: pd.DataFrame, path: Path) -> Path | None:
