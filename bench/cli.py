@@ -465,7 +465,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
 
 def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.FitPlan) -> int:
     """The frontier from predictions alone, on any machine: each probe a fake run."""
-    gpu = _gpu_kind(args.gpu)
+    gpu = dataclasses.replace(_gpu_kind(args.gpu), budgets_gib=plan.budgets_gib)  # each prediction replayed within each
     on_gpu = dataclasses.replace(matrix, device="cuda")
     run_id = args.run_id or f"fit-{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"
     opts = predict_runner.PredictOptions(args.results_dir, run_id, gpu, None, host_memory_gib=args.host_memory_gib)

@@ -170,12 +170,15 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              f"(`bench predict`, method {methods}) for {gpu_name}, on {first['cpu_name']} with torch "
              f"{first['torch_version']}, transformers {first['transformers_version']}; {len(predictions)} cells predicted "
              f"in {predictions['predict_s'].sum() / 60:.1f} min.",
-             "- A cell fits a budget when the smallest card it runs on is within it, as a measured probe meets its "
-             "budget (the allocator capped there, releasing its cache and retrying before it fails): the fake run's "
-             "allocations replayed through a model of the caching allocator within ever smaller capacities, plus what "
-             "the GPU kind keeps outside torch (the CUDA context, measured); a ZeRO cell's allocations are the "
-             "hybrid's (DeepSpeed's, in its order, beside the fake run's own; its method the hybrid/ one above). "
-             "Where that is not predicted (an older row), the device peak (reserved with no cap + the context).",
+             "- A cell fits a budget when its step runs within it, as a measured probe meets its budget (the "
+             "allocator capped there, releasing its cache and retrying before it fails): the fake run's allocations "
+             "replayed through a model of the caching allocator within the budget less what the GPU kind keeps "
+             "outside torch (the CUDA context, measured; `fits_budgets_json`); a ZeRO cell's allocations are the "
+             "hybrid's (DeepSpeed's, in its order, beside the fake run's own; its method the hybrid/ one above). The "
+             "*smallest card* shown is where the bisection over capacities found the step's boundary: an allocator "
+             "can run within a budget and not within a larger one. Where a row has no replay at the budget (an older "
+             "one), the smallest card decides; where it has no smallest card, the device peak (reserved with no cap "
+             "+ the context).",
              "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",

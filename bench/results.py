@@ -142,9 +142,10 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 7  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 8  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
-# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib
+# 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
+# 8: fits_budgets_json
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -189,6 +190,10 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                 "allocator (a fit probe's budget, a memory fraction: with garbage_collection_threshold, "
                                 "collecting as torch does only under one); below device_peak_gib where retries make "
                                 "room, each a device synchronisation, GiB"),
+    ("fits_budgets_json", "str", "PREDICTED, where bench fit --predict searched budgets: {budget GiB: whether the "
+                                 "step runs within it}, the trace replayed within each as for least_card_gib. The "
+                                 "allocator may run within a budget and not within a larger one (it releases its "
+                                 "cache sooner): where they disagree, this is the answer at that budget"),
     ("fits", "bool", "PREDICTED: the replay ran to the end within the card (memory_gib - outside torch - CUDA "
                      "managed memory, as in least_card_gib) without an allocator OOM; empty where the card or its "
                      "context is not known"),

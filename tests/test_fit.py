@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -247,6 +248,10 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     assert 1 < largest < 16
     least = predicted["least_card_gib"]
     assert least.loc[("baseline", 64, largest)] <= 0.82 < least.loc[("baseline", 64, largest + 1)]  # both predicted
+    def within(batch: int) -> bool:  # each prediction replayed within the budget
+        return json.loads(predicted.loc[("baseline", 64, batch), "fits_budgets_json"])["0.82"]
+
+    assert within(largest) and not within(largest + 1)
     assert (least <= predicted["device_peak_gib"]).all()
     assert summary.loc[("compile", "batch"), "stopped"].startswith("unsupported at")
     board = (fit_dir / "FIT-predicted.md").read_text()
@@ -329,3 +334,15 @@ def test_a_measured_frontier_is_set_beside_the_one_predicted_before_it(tmp_path)
     assert "| tiny-llama | `compile` | 2 | not predicted |" in board
     alone = fitreport.publish(measured, [{**probe, "started_at": "2025-01-01T00:00:00+00:00"}], tmp_path, "m2")
     assert "no predicted frontier of this matrix was made before it" in alone.read_text()
+
+
+def test_a_predicted_probe_fits_a_budget_as_its_replay_within_that_budget_says() -> None:
+    """The allocator can run within a budget and not within a larger one (it releases its cache sooner):
+    Llama-3.2-3B gc + offload(params=True) + zero3 at seq 2048, batch 16, on this CPU, runs within 60 GiB,
+    not within 65, and within 80, while the bisection's least card is 68.6. A probe takes the replay at
+    its budget where the prediction made one, else the least card."""
+    row = {"status": "ok", "least_card_gib": 68.6, "fits_budgets_json": json.dumps({"60": True, "65": False, "80": True})}
+    assert [fit.runs_within(row, b) for b in (60.0, 65.0, 80.0, None)] == [True, False, True, True]
+    older = {"status": "ok", "least_card_gib": 68.6}  # a prediction made before fits_budgets_json
+    assert [fit.runs_within(older, b) for b in (60.0, 70.0)] == [False, True]
+    assert [fit.runs_within(row, b) for b in (50.0, 70.0)] == [False, True]  # not replayed there: the least card

@@ -214,6 +214,11 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
         least = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=card_bytes)
         out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
+        if gpu.budgets_gib:  # each budget replayed: the allocator may run within one and not within a larger one
+            apart_gib = gpu.outside_torch_gib + managed_gib
+            out["fits_budgets_json"] = json.dumps({f"{b:g}": allocator.replay(
+                events, int(max(0.0, b - apart_gib) * measure.GIB), settings=settings, fraction=True).oom_at is None
+                for b in gpu.budgets_gib})
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])

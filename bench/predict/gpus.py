@@ -21,6 +21,9 @@ class GpuKind:
     compute_capability: tuple[int, int]
     memory_gib: float | None = None  # total memory as NVML reported it on a measured run, GiB; None: not measured yet
     outside_torch_gib: float | None = None  # NVML peak − peak reserved on a measured run (the context), GiB
+    # The budgets `bench fit --predict` searches on this card, GiB: each prediction says whether its step runs
+    # within each (fits_budgets_json), since running within one does not promise running within a larger one
+    budgets_gib: tuple[float, ...] = ()
 
     @property
     def cublas_workspace_bytes(self) -> int:

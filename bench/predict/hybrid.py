@@ -140,6 +140,7 @@ prefetch is ahead).
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -1034,6 +1035,9 @@ def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, replayed: dict[s
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
         out["least_card_gib"] = max(replayed.get("least_card_gib", 0.0), out["device_peak_gib"]
                                     if out["peak_phase"] == "build" else 0.0)
+        if out["peak_phase"] == "build" and "fits_budgets_json" in replayed:
+            out["fits_budgets_json"] = json.dumps({b: ran and float(b) >= out["device_peak_gib"]
+                                                   for b, ran in json.loads(replayed["fits_budgets_json"]).items()})
         if gpu.memory_gib is not None:
             out["fits"] = replayed.get("fits") is not False and out["device_peak_gib"] <= gpu.memory_gib
     return out
