@@ -482,12 +482,13 @@ def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.
 
 
 def _predicted_hints(fit_dir: Path) -> fit.Hints:
-    """The newest predicted frontier of the matrix, if there is one: where each real search starts."""
-    found = sorted(p for p in fit_dir.glob("fit-*-predicted-*.parquet") if not p.stem.endswith("-predictions"))
-    if not found:
+    """The newest predicted frontier of the matrix (by when its fake runs ran), if there is one: where each
+    real search starts, at the largest size it predicted."""
+    newest = fitreport.predicted_before(fit_dir, pd.Timestamp.now(tz="UTC"))
+    if newest is None:
         return {}
-    print(f"starting each search at the predicted frontier of {found[-1].stem}")
-    return fit.hints_from(pd.read_parquet(found[-1]))
+    print(f"starting each search at the predicted frontier of {newest.run_id}")
+    return {search: int(answer) for search, answer in newest.answers.items() if answer.isdigit()}
 
 
 def _gpu_kind(key: str) -> gpus.GpuKind:

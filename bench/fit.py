@@ -359,10 +359,3 @@ def not_monotone_text(fits: dict[int, bool], needs: dict[int, float]) -> str:
         return f"{size} ({needs[size]:.2f} GiB)" if size in needs else str(size)
 
     return f"{', '.join(map(said, below))} not fitting, below {said(largest_ok)} fitting" if below else ""
-
-
-def hints_from(summary: Any) -> Hints:
-    """A (predicted) fit summary table as hints for another search: each search's largest_ok."""
-    return {(r["model"], r["stack"], r["axis"], int(r["seq_len"] if r["axis"] == "batch" else r["batch_size"]),
-             float(r["budget_gib"])): int(r["largest_ok"])
-            for r in summary.to_dict("records") if r["largest_ok"] == r["largest_ok"] and r["largest_ok"] is not None}

@@ -33,7 +33,7 @@ class Foretold:
 
     run_id: str
     made_at: pd.Timestamp
-    answers: dict[tuple[Any, ...], str]
+    answers: dict[tuple[str, str, str, int, float], str]
 
 
 def predicted_before(fit_dir: Path, started: pd.Timestamp) -> Foretold | None:
@@ -51,8 +51,8 @@ def predicted_before(fit_dir: Path, started: pd.Timestamp) -> Foretold | None:
     return Foretold(searches.stem, made, {_search(r): _answer(r) for _, r in pd.read_parquet(searches).iterrows()})
 
 
-def _search(r: pd.Series) -> tuple[Any, ...]:
-    """A search's identity, the same in a predicted and a measured frontier."""
+def _search(r: pd.Series) -> tuple[str, str, str, int, float]:
+    """A search's identity, the same in a predicted and a measured frontier (and fit.Hints' key)."""
     at = r["seq_len"] if r["axis"] == "batch" else r["batch_size"]
     return r["model"], r["stack"], r["axis"], int(at), float(r["budget_gib"])
 

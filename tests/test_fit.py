@@ -305,24 +305,45 @@ def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
     assert fitreport.beside_published(searches, "fit3b", "predicted") == []
 
 
+def _search(stack: str, budget: float, largest: float | None, stopped: str = "") -> dict:
+    """A fit summary's row: one batch search at seq 64."""
+    return {"model": "tiny-llama", "stack": stack, "budget_gib": budget, "axis": "batch", "seq_len": 64,
+            "batch_size": None, "largest_ok": largest, "smallest_oom": None, "probes": 2, "stopped": stopped,
+            "not_monotone": "", "tokens_per_s": 1000.0 if largest else None, "nvml_peak_gib": None}
+
+
+def _predicted_frontier(fit_dir, run_id: str, made: str, searches: list[dict]) -> None:
+    """A predicted frontier as `bench fit --predict` writes it: its searches, and its cells (here one, made then)."""
+    from bench import results
+
+    pd.DataFrame(searches).to_parquet(fit_dir / f"{run_id}.parquet")
+    results.write_parquet([{"cell_id": "c", "status": "ok", "started_at": made}], fit_dir / f"{run_id}-predictions.parquet",
+                          table=results.PREDICTED)
+
+
+def test_a_gpu_fit_starts_from_the_newest_predicted_frontier_by_when_it_was_made(tmp_path, capsys) -> None:
+    from bench import cli
+
+    _predicted_frontier(tmp_path, "fit-f-predicted-h100-z", "2026-01-01T00:00:00+00:00", [_search("baseline", 1.0, 4)])
+    _predicted_frontier(tmp_path, "fit-f-predicted-h100-a", "2026-02-01T00:00:00+00:00",  # newer, first by name
+                        [_search("baseline", 1.0, 6), _search("gc", 1.0, None)])
+    assert cli._predicted_hints(tmp_path) == {("tiny-llama", "baseline", "batch", 64, 1.0): 6}  # none fits: no guess
+    assert "fit-f-predicted-h100-a" in capsys.readouterr().out
+    assert cli._predicted_hints(tmp_path / "nothing-here") == {}
+
+
 def test_a_measured_frontier_is_set_beside_the_one_predicted_before_it(tmp_path) -> None:
     """FIT.md of a measured fit: each search beside the answer of the newest predicted frontier made before
     the fit's first probe (not one made after), and how many of them agree, err small (the safe side) or
     large; a search the prediction did not cover is shown as such and not counted."""
-    from bench import fitreport, results
+    from bench import fitreport
 
-    def search(stack: str, budget: float, largest: float | None, stopped: str = "") -> dict:
-        return {"model": "tiny-llama", "stack": stack, "budget_gib": budget, "axis": "batch", "seq_len": 64,
-                "batch_size": None, "largest_ok": largest, "smallest_oom": None, "probes": 2, "stopped": stopped,
-                "not_monotone": "", "tokens_per_s": 1000.0 if largest else None, "nvml_peak_gib": None}
-
+    search = _search
     for run_id, made, answers in (("early", "2026-01-01T00:00:00+00:00", (4, None, None)),
                                   ("late", "2026-12-01T00:00:00+00:00", (5, 3, 2))):
-        pd.DataFrame([search("baseline", 1.0, answers[0]), search("baseline", 2.0, answers[1]),
-                      search("compile", 1.0, answers[2], "unsupported at 1" if run_id == "early" else "")]
-                     ).to_parquet(tmp_path / f"{run_id}.parquet")
-        results.write_parquet([{"cell_id": "c", "status": "ok", "started_at": made}], tmp_path / f"{run_id}-predictions.parquet",
-                              table=results.PREDICTED)
+        _predicted_frontier(tmp_path, run_id, made, [
+            search("baseline", 1.0, answers[0]), search("baseline", 2.0, answers[1]),
+            search("compile", 1.0, answers[2], "unsupported at 1" if run_id == "early" else "")])
     measured = [search("baseline", 1.0, 5), search("baseline", 2.0, 3), search("compile", 1.0, 2)]
     probe = {"run_id": "m", "cell_id": "p", "matrix": "f", "device": "cpu", "status": "ok", "wall_s": 10.0,
              "started_at": "2026-06-01T00:00:00+00:00"}
