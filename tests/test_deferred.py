@@ -11,7 +11,7 @@ import pytest
 
 from bench import deferred, spec, trainer
 from bench.cells import make_cell
-from bench.predict import fake, hybrid
+from bench.predict import fake, zero_states
 from bench.predict.counter import Workspaces
 from bench.stacks import parse_stack
 from conftest import REPO
@@ -101,7 +101,7 @@ def test_a_zero3_build_partitions_a_plain_builds_weights_and_never_holds_the_who
     if tied:
         meta.lm_head.weight = meta.model.embed_tokens.weight
     buffers = sum(-(-b.numel() * b.element_size() // 512) * 512 for b in meta.buffers())
-    assert hybrid.Build.of(meta, cell).allocated_bytes - buffers == pytest.approx(found["peak_bytes"], abs=1024)
+    assert zero_states.Build.of(meta, cell).allocated_bytes - buffers == pytest.approx(found["peak_bytes"], abs=1024)
 
 
 def _record(build) -> deferred.Record:

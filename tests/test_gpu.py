@@ -562,7 +562,7 @@ def test_a_deferred_zero3_build_on_cuda_holds_one_parameter_and_draws_a_plain_bu
     from bench.cells import make_cell
     from bench.engines import EngineJob
     from bench.engines import deepspeed as deepspeed_engine
-    from bench.predict import hybrid
+    from bench.predict import zero_states
     from bench.stacks import parse_stack
     from conftest import REPO
 
@@ -572,7 +572,7 @@ def test_a_deferred_zero3_build_on_cuda_holds_one_parameter_and_draws_a_plain_bu
     del plain
     torch.cuda.empty_cache()
     cell = make_cell(matrix, "cuda", "llama-3.2-1b", 64, 1, parse_stack("offload(params=true) + zero3"))
-    predicted = hybrid.Build.of(trainer.build_model(cell, device="meta").model, cell).allocated_bytes
+    predicted = zero_states.Build.of(trainer.build_model(cell, device="meta").model, cell).allocated_bytes
     try:
         built = trainer.build_model(cell)
         distributed.init(True)

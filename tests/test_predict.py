@@ -18,7 +18,7 @@ import pytest
 from bench import models, results, segments, spec, trainer
 from bench.cells import make_cell
 from bench.checkpoints import random_checkpoint
-from bench.predict import bnb, fake, gpus, hybrid
+from bench.predict import bnb, fake, gpus, hybrid, zero_backward, zero_layout, zero_states
 from bench.predict import runner as predict_runner
 from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces
 from bench.predict.pinned import PinnedHostCache, block_bytes
@@ -324,7 +324,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     meta = trainer.build_model(cell, device="meta").model
     numels = [p.numel() for p in meta.parameters()]
     params = sum(numels)
-    largest_layer, largest_param = hybrid.largest_layer_params(meta), max(numels)
+    largest_layer, largest_param = zero_layout.largest_layer_params(meta), max(numels)
     estimator_layer = 4 * largest_layer if "zero3" in stack else 0
     assert found["model_states_gib"] * 2**30 == pytest.approx(estimator_b_per_param * params + estimator_layer, rel=1e-6)
     # the rest: what the fake run of the cell without its engine held in forward and backward besides
@@ -332,7 +332,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     steps = hybrid.activation_cell(cell)
     assert steps.stack.names == tuple(n for n in cell.stack.names if n not in ("zero2", "zero3", "offload"))
     counter, _, _ = fake.counted_run(steps, Workspaces(gpus.get("h100").cublas_workspace_bytes))
-    rest = counter.peak_of_roles_except(hybrid.MODEL_STATE_ROLES, phases=("forward", "backward")).nbytes
+    rest = counter.peak_of_roles_except(zero_states.MODEL_STATE_ROLES, phases=("forward", "backward")).nbytes
     assert 0 < rest < counter.peak.nbytes
     bucket = 500_000_000 * 2  # DeepSpeed's default reduce bucket, 16-bit, whole
     assert found["buckets_gib"] * 2**30 == bucket
@@ -341,7 +341,7 @@ def test_a_zero_cell_is_its_model_states_phase_by_phase_plus_the_fake_runs_other
     # each is released after its module
     gathered = 2 * params if "zero3" in stack and (ranks > 1 or "offload" in stack) else 0
     last = counter.steps[-1]  # backward's end: the batch and a few small tensors besides the states
-    at_end = sum(r.nbytes for r in counter.alive_at(last.event) if r.role not in hybrid.MODEL_STATE_ROLES)
+    at_end = sum(r.nbytes for r in counter.alive_at(last.event) if r.role not in zero_states.MODEL_STATE_ROLES)
     largest_gradient = max(g.nbytes for g in counter.gradients_ready)
     part = -(-params // ranks)
     # the reduction at backward's end: ZeRO-2's partition (none offloaded: the largest gradient's fp64
@@ -374,8 +374,8 @@ def _ready(index: int, elements: int, event: int = 0) -> GradientReady:
     return GradientReady(event, elements * 2, elements, index)
 
 
-def _zero2_states(bucket_elements: int, partition_bytes: int) -> hybrid.ModelStates:
-    return hybrid.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=2, bucket_elements=bucket_elements,
+def _zero2_states(bucket_elements: int, partition_bytes: int) -> zero_states.ModelStates:
+    return zero_states.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=2, bucket_elements=bucket_elements,
                               partition_bytes=partition_bytes)
 
 
@@ -383,7 +383,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
     """By hand, one rank, a 100-element bucket, gradients of 60, 30, 20 elements (bf16): the first hook
     makes the bucket (200 B) beside its gradient; the third overflows the bucket, so the first two are
     reduced and the partition (1000 B here) is made while the third waits; backward's end reduces it."""
-    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([20, 30, 60]))
+    engine = zero_backward.ZeroBackward(_zero2_states(100, 1000), zero_layout.Layout.all_trained([20, 30, 60]))
     assert engine.alive_bytes() == 0  # before backward's first gradient: nothing of the engine's
     assert engine.hook(_ready(2, 60)) == 120 + 200
     assert engine.hook(_ready(1, 30)) == 60 + 200
@@ -391,7 +391,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
     assert engine.hook(_ready(0, 20)) == 40 + 200 + 1000  # the reduction before it made the partition
     assert engine.epilogue() == 200 + 1000
     # a model smaller than its bucket: the partition only at backward's end
-    small = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([30, 60]))
+    small = zero_backward.ZeroBackward(_zero2_states(100, 1000), zero_layout.Layout.all_trained([30, 60]))
     assert small.hook(_ready(1, 60)) + small.hook(_ready(0, 30)) == (120 + 200) + (60 + 200)
     assert small.epilogue() == 200 + 1000
 
@@ -399,7 +399,7 @@ def test_zero2s_bucket_comes_at_the_first_gradient_and_its_partition_at_the_firs
 def test_zero2_holds_a_gradient_larger_than_its_bucket_until_the_next_reduction() -> None:
     """A 150-element gradient does not fit a 100-element bucket: it waits, whole, for the next hook's
     reduction, and is freed only after the partition is made."""
-    engine = hybrid.ZeroBackward(_zero2_states(100, 1000), hybrid.Layout.all_trained([10, 150]))
+    engine = zero_backward.ZeroBackward(_zero2_states(100, 1000), zero_layout.Layout.all_trained([10, 150]))
     assert engine.hook(_ready(1, 150)) == 300 + 200  # an empty bucket: nothing to reduce first
     assert engine.alive_bytes() == 200 + 300  # still held
     assert engine.hook(_ready(0, 10)) == 20 + 300 + 200 + 1000  # reduced: the partition made while it is held
@@ -410,7 +410,7 @@ def test_zero2_offload_reduces_through_an_fp64_copy_of_each_gradient_and_keeps_n
     """The optimizer on the host: no partition on the GPU; at a reduction each gradient of the rank's in
     turn is copied to fp64 for its norm (8 B an element), so the largest sets the moment."""
     states = dataclasses.replace(_zero2_states(100, 0), to_host=True)
-    engine = hybrid.ZeroBackward(states, hybrid.Layout.all_trained([30, 60]))
+    engine = zero_backward.ZeroBackward(states, zero_layout.Layout.all_trained([30, 60]))
     engine.hook(_ready(1, 60))
     engine.hook(_ready(0, 30))
     assert engine.epilogue() == 200 + 8 * 60
@@ -420,20 +420,20 @@ def test_zero2_offload_reduces_through_an_fp64_copy_of_each_gradient_and_keeps_n
 def test_zero2_on_several_ranks_flattens_a_bucket_that_spans_their_partitions() -> None:
     """Two ranks: a reduction of gradients that fall in both partitions first flattens them into one
     temporary (2 B each); one whose gradients all fall in one rank's partition reduces a view."""
-    assert hybrid.flat_partitions([50, 30, 40], ranks=2) == ((0,), (0, 1), (1,))  # 120 elements: 60 each
+    assert zero_layout.flat_partitions([50, 30, 40], ranks=2) == ((0,), (0, 1), (1,))  # 120 elements: 60 each
     partition = 2 * 60  # the rank's 60 16-bit gradients
-    across = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.Layout.all_trained([50, 30, 40], ranks=2))
+    across = zero_backward.ZeroBackward(_zero2_states(100, partition), zero_layout.Layout.all_trained([50, 30, 40], ranks=2))
     across.hook(_ready(2, 40))
     across.hook(_ready(1, 30))
     assert across.epilogue() == 200 + 2 * 70  # the flattened copy, freed before the partition is made
     assert across.alive_bytes() == 200 + partition
-    within = hybrid.ZeroBackward(_zero2_states(100, partition), hybrid.Layout.all_trained([60, 60], ranks=2))
+    within = zero_backward.ZeroBackward(_zero2_states(100, partition), zero_layout.Layout.all_trained([60, 60], ranks=2))
     within.hook(_ready(1, 60))
     assert within.epilogue() == 200 + partition  # a view: nothing flattened
 
 
-def _zero3_states(bucket_elements: int, ranks: int, to_host: bool = False) -> hybrid.ModelStates:
-    return hybrid.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=3, bucket_elements=bucket_elements,
+def _zero3_states(bucket_elements: int, ranks: int, to_host: bool = False) -> zero_states.ModelStates:
+    return zero_states.ModelStates(0, 0, 2 * bucket_elements, 0, 0, 0, stage=3, bucket_elements=bucket_elements,
                               ranks=ranks, to_host=to_host)
 
 
@@ -441,13 +441,13 @@ def test_zero3_holds_its_bucket_throughout_and_reduces_through_one_padded_tempor
     """By hand, a 100-element bucket (200 B, held from initialize on): on two ranks, gradients of 61 and
     30 elements are interleaved by rank, each padded to a multiple of 2, into one 16-bit temporary
     (2 x (62 + 30) B) at backward's end; a single gradient that 2 divides is reduced in place."""
-    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=2), hybrid.Layout.all_trained([30, 61], ranks=2))
+    engine = zero_backward.ZeroBackward(_zero3_states(100, ranks=2), zero_layout.Layout.all_trained([30, 61], ranks=2))
     assert engine.alive_bytes() == 200  # before any gradient: the bucket
     assert engine.hook(_ready(1, 61)) == 122 + 200
     assert engine.hook(_ready(0, 30)) == 60 + 200
     assert engine.epilogue() == 200 + 2 * (62 + 30)
     assert engine.alive_bytes() == 200  # no partition of ZeRO-2's: ZeRO-3's is in the training states
-    single = hybrid.ZeroBackward(_zero3_states(100, ranks=2), hybrid.Layout.all_trained([60], ranks=2))
+    single = zero_backward.ZeroBackward(_zero3_states(100, ranks=2), zero_layout.Layout.all_trained([60], ranks=2))
     single.hook(_ready(0, 60))
     assert single.epilogue() == 200
 
@@ -457,7 +457,7 @@ def test_zero3_releases_each_gathered_weight_in_backward_after_its_gradient() ->
     1e9 live parameters) and releases each after its module's backward: at its gradient's hook, so by
     backward's end none is held."""
     states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=180, gathers=True)
-    engine = hybrid.ZeroBackward(states, hybrid.Layout.all_trained([30, 60], ranks=2))
+    engine = zero_backward.ZeroBackward(states, zero_layout.Layout.all_trained([30, 60], ranks=2))
     assert engine.alive_bytes() == 200 + 180
     assert engine.hook(_ready(1, 60)) == 120 + 200 + 180  # its weight still held while its gradient is copied
     assert engine.alive_bytes() == 200 + 60
@@ -470,12 +470,12 @@ def test_zero3_offload_sends_each_partition_to_the_host_through_copies_on_the_gp
     16-bit buffer to the GPU (2 B an element) and is cast to fp64 for its norm, 250M elements at a time
     (8 B each), then to fp32 (4 B): the largest partition's copies, beside the interleaved temporary. A
     gradient over 250M elements costs its fp32 copy more than its fp64 chunk."""
-    engine = hybrid.ZeroBackward(_zero3_states(100, ranks=1, to_host=True), hybrid.Layout.all_trained([30, 60]))
+    engine = zero_backward.ZeroBackward(_zero3_states(100, ranks=1, to_host=True), zero_layout.Layout.all_trained([30, 60]))
     engine.hook(_ready(1, 60))
     engine.hook(_ready(0, 30))
     assert engine.epilogue() == 200 + 2 * 90 + (2 + 8) * 60
     huge = 600_000_000
-    big = hybrid.ZeroBackward(_zero3_states(huge, ranks=1, to_host=True), hybrid.Layout.all_trained([huge]))
+    big = zero_backward.ZeroBackward(_zero3_states(huge, ranks=1, to_host=True), zero_layout.Layout.all_trained([huge]))
     big.hook(_ready(0, huge))
     assert big.epilogue() == 2 * huge + 2 * huge + max(8 * 250_000_000, 4 * huge)
 
@@ -489,15 +489,15 @@ def test_zero3_offload_keeps_its_states_on_the_host_in_pinned_blocks_and_sub_gro
     counted apart); with the parameters on the GPU, their 16-bit partition."""
     numels = [1_200_000_000, 600_000_000, 500_000_000]
     part = 1_150_000_000
-    assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000]) == [1_150_000_000]
-    assert hybrid.sub_groups([600_000_000, 300_000_000, 250_000_000, 50]) == [1_150_000_000, 50]
-    layout = hybrid.Layout.all_trained(numels, ranks=2)
-    device, step, training = hybrid.zero3_offload(layout, adam="torch", params_offloaded=True)
+    assert zero_states.sub_groups([600_000_000, 300_000_000, 250_000_000]) == [1_150_000_000]
+    assert zero_states.sub_groups([600_000_000, 300_000_000, 250_000_000, 50]) == [1_150_000_000, 50]
+    layout = zero_layout.Layout.all_trained(numels, ranks=2)
+    device, step, training = zero_states.zero3_offload(layout, adam="torch", params_offloaded=True)
     pinned = 2 * _pinned(2 * part) + _pinned(4 * part)
     assert (device, training) == (0, pinned + 12 * part)
     assert step == training + 4 * part
-    assert hybrid.zero3_offload(layout, "deepspeed", params_offloaded=True)[1] == training  # CPUAdam: in place
-    device, _, training = hybrid.zero3_offload(layout, "torch", params_offloaded=False)
+    assert zero_states.zero3_offload(layout, "deepspeed", params_offloaded=True)[1] == training  # CPUAdam: in place
+    device, _, training = zero_states.zero3_offload(layout, "torch", params_offloaded=False)
     assert (device, training) == (2 * part, _pinned(2 * part) + _pinned(4 * part) + 12 * part)
 
 
@@ -509,9 +509,9 @@ def test_the_optimizer_step_of_zero_holds_fp32_gradients_and_adamws_temporary_be
 
     for stack, step_b_per_param, bucket_in_step in (("zero2", 22, False), ("zero3", 24, True)):
         cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-        layout = hybrid.Layout.of(trainer.build_model(cell, device="meta").model, ranks=1)
+        layout = zero_layout.Layout.of(trainer.build_model(cell, device="meta").model, ranks=1)
         params = layout.total
-        states = hybrid.model_states(cell, layout, largest_layer_params=0)
+        states = zero_states.model_states(cell, layout, largest_layer_params=0)
         assert states.step_bytes == step_b_per_param * params and states.bucket_in_step is bucket_in_step
         # no activations: training's most is at backward's end, with the bucket and ZeRO-2's partition
         training = states.training_bytes + states.bucket_bytes + states.partition_bytes
@@ -559,9 +559,9 @@ def _hybrids_trace(cell: Any) -> tuple[Any, dict[str, Any], Any, list[Any], list
     counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces(gpu.cublas_workspace_bytes))
     found = hybrid.assembled(cell, counter, gpu)
     meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
-    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta))
-    events, ends = hybrid_trace.engine_trace(counter, states, layout, hybrid.build_events(meta, cell))
+    layout = zero_layout.Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
+    states = zero_states.model_states(cell, layout, zero_layout.largest_layer_params(meta))
+    events, ends = hybrid_trace.engine_trace(counter, states, layout, zero_states.build_events(meta, cell))
     return counter, found, states, events, ends
 
 
@@ -599,14 +599,14 @@ def test_zero3s_step_takes_one_optimizer_sub_group_at_a_time() -> None:
     """ZeRO-3 steps a rank's partitions one sub-group at a time (sub-groups close once they reach 1e9
     elements): the fp32 gradients and AdamW's temporary (8 B each) are the largest sub-group's, not the
     whole partition's, beside the 16 B/param every state holds. ZeRO-2 steps its whole partition."""
-    layout = hybrid.Layout.all_trained([600_000_000, 600_000_000, 300_000_000])  # one rank: sub-groups of 1.2e9 and 3e8
+    layout = zero_layout.Layout.all_trained([600_000_000, 600_000_000, 300_000_000])  # one rank: sub-groups of 1.2e9 and 3e8
     zero3 = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3"))
-    assert hybrid.phased(zero3, layout) == (16 * 1_500_000_000, 16 * 1_500_000_000 + 8 * 1_200_000_000,
+    assert zero_states.phased(zero3, layout) == (16 * 1_500_000_000, 16 * 1_500_000_000 + 8 * 1_200_000_000,
                                             16 * 1_500_000_000)
     two = dataclasses.replace(zero3, gpus=2)  # partitions of 3e8, 3e8, 1.5e8: one sub-group of 7.5e8
-    assert hybrid.phased(two, layout)[1] == 16 * 750_000_000 + 8 * 750_000_000
+    assert zero_states.phased(two, layout)[1] == 16 * 750_000_000 + 8 * 750_000_000
     zero2 = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero2"))
-    assert hybrid.phased(zero2, layout)[1] == 2 * 1_500_000_000 + 12 * 1_500_000_000 + 8 * 1_500_000_000
+    assert zero_states.phased(zero2, layout)[1] == 2 * 1_500_000_000 + 12 * 1_500_000_000 + 8 * 1_500_000_000
 
 
 # The comparisons with DeepSpeed's engine train tiny-llama (223k parameters: hidden 64, 2 layers, vocab 1024)
@@ -720,7 +720,8 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     largest = json.loads(proc.stdout.strip().splitlines()[-1])["largest_bytes"]
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-    assert hybrid.model_states(cell, hybrid.Layout.all_trained([225_000]), largest_layer_params=65_536).bucket_bytes == largest
+    layout = zero_layout.Layout.all_trained([225_000])
+    assert zero_states.model_states(cell, layout, largest_layer_params=65_536).bucket_bytes == largest
 
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:
@@ -734,10 +735,10 @@ def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_m
     meta = trainer.build_model(cell, device="meta").model
     sizes = {kind: [-(-t.numel() * t.element_size() // BLOCK_BYTES) * BLOCK_BYTES for t in tensors]
              for kind, tensors in (("params", list(meta.parameters())), ("buffers", list(meta.buffers())))}
-    assert hybrid.Build.of(meta, cell).allocated_bytes == 2 * max(sizes["params"]) + sum(sizes["buffers"])
+    assert zero_states.Build.of(meta, cell).allocated_bytes == 2 * max(sizes["params"]) + sum(sizes["buffers"])
     on_four = dataclasses.replace(cell, gpus=4)  # the whole, and a quarter of it copied for the gather
     quarter = -(-max(p.numel() for p in meta.parameters()) // 4) * 2
-    assert hybrid.Build.of(meta, on_four).allocated_bytes == \
+    assert zero_states.Build.of(meta, on_four).allocated_bytes == \
         -(-4 * quarter // BLOCK_BYTES) * BLOCK_BYTES + -(-quarter // BLOCK_BYTES) * BLOCK_BYTES + sum(sizes["buffers"])
     found = fake.predict_cell(cell, gpus.get("h100"))
     assert found["status"] == "ok", found.get("error")
@@ -745,7 +746,7 @@ def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_m
     zero2 = dataclasses.replace(cell, stack=parse_stack("gc + zero2"))
     # ZeRO-2 builds the whole model, then flattens it into one buffer beside it
     flat = -(-sum(p.numel() * p.element_size() for p in meta.parameters()) // BLOCK_BYTES) * BLOCK_BYTES
-    assert hybrid.Build.of(meta, zero2).allocated_bytes == sum(sizes["params"]) + flat + sum(sizes["buffers"])
+    assert zero_states.Build.of(meta, zero2).allocated_bytes == sum(sizes["params"]) + flat + sum(sizes["buffers"])
 
 
 SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:full", "zero2:model", "zero3:full",
@@ -759,8 +760,8 @@ SAVES = ("baseline:full", "baseline:model", "lora:full", "lora:model", "zero2:fu
 ])
 def test_zero3_sub_groups_are_formed_as_deepspeed_forms_them(params: list[int], ranks: int, expected: list[int],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hybrid, "sub_group_size", lambda: 10)
-    assert hybrid.sub_groups([hybrid.per_rank(n, ranks) for n in params]) == expected
+    monkeypatch.setattr(zero_states, "sub_group_size", lambda: 10)
+    assert zero_states.sub_groups([zero_layout.per_rank(n, ranks) for n in params]) == expected
 
 
 @pytest.mark.slow
@@ -884,7 +885,7 @@ def test_a_zero2_cell_with_qlora_keeps_its_4bit_base_whole_as_loaded(stack: str)
     pytest.importorskip("bitsandbytes")
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
     meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, 1)
+    layout = zero_layout.Layout.of(meta, 1)
     shapes = [tuple(p.shape) for i, p in enumerate(meta.parameters()) if i in {q[0] for q in layout.quantized}]
     assert len(shapes) == 7 * 2  # tiny-llama: 2 layers of 7 linear layers; lm_head kept 16-bit
     unquantized = layout.total - sum(r * c for r, c in shapes)
@@ -904,11 +905,11 @@ def test_a_zero_cell_with_lora_keeps_fp32_states_of_its_adapters_only(stack: str
     frozen base is its 16-bit weights, whole under ZeRO-2, partitioned under ZeRO-3 (with the adapters'
     16-bit gradient partition: 2 + 2 B). The adapters train in bf16, as deepspeed.initialize casts them."""
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=ranks)
-    layout = hybrid.Layout.of(trainer.build_model(cell, device="meta").model, ranks)
+    layout = zero_layout.Layout.of(trainer.build_model(cell, device="meta").model, ranks)
     params, adapters = layout.total, sum(layout.trained_numels)
     assert 0 < adapters < params / 2
     part = -(-adapters // ranks)
-    training, step, _ = hybrid.phased(cell, layout)
+    training, step, _ = zero_states.phased(cell, layout)
     weights = 2 * params if "zero2" in stack else 2 * -(-params // ranks) + 2 * part
     assert (training, step) == (weights + 12 * part, weights + 20 * part)
     assert [u.opts["adapter_dtype"] for u in hybrid.activation_cell(cell).stack.uses] == ["bf16"]
@@ -922,22 +923,22 @@ def test_zero3_offload_of_a_lora_model_pins_each_frozen_partition_alone() -> Non
     elements, adapters 100 and 100): the adapters' states on the host as any trained parameters' (their
     16-bit partition one pinned block); each frozen partition pinned in a block of its own; the GPU holds
     none of it. With the parameters on the GPU, it holds every partition, frozen ones too."""
-    layout = hybrid.Layout((3000, 100, 100, 5000), trained=(1, 2), ranks=2)
-    device, step, training = hybrid.zero3_offload(layout, "torch", params_offloaded=True)
+    layout = zero_layout.Layout((3000, 100, 100, 5000), trained=(1, 2), ranks=2)
+    device, step, training = zero_states.zero3_offload(layout, "torch", params_offloaded=True)
     part = 100  # the adapters' partitions, 50 + 50: one optimizer sub-group
     pinned = _pinned(2 * part) + _pinned(2 * 1500) + _pinned(2 * 2500) + _pinned(2 * part) + _pinned(4 * part)
     assert (device, training, step) == (0, pinned + 12 * part, pinned + 16 * part)
-    assert hybrid.zero3_offload(layout, "torch", params_offloaded=False)[0] == 2 * (part + 1500 + 2500)
+    assert zero_states.zero3_offload(layout, "torch", params_offloaded=False)[0] == 2 * (part + 1500 + 2500)
 
 
 def test_zero3_releases_a_frozen_weight_once_backward_has_passed_its_module() -> None:
     """A LoRA layout: frozen base weights (positions 0, 3, 5) among adapters (1, 2, 4). Backward runs the
     modules in reverse, so the hook of an adapter's gradient releases its own gathered weight and the
     frozen ones after it, up to the next adapter; the first frozen weight stays until backward's end."""
-    layout = hybrid.Layout((100, 10, 10, 100, 10, 100), trained=(1, 2, 4), ranks=2)
+    layout = zero_layout.Layout((100, 10, 10, 100, 10, 100), trained=(1, 2, 4), ranks=2)
     assert [list(layout.passing_at(i)) for i in range(3)] == [[1], [2, 3], [4, 5]]
     states = dataclasses.replace(_zero3_states(100, ranks=2), gathered_bytes=2 * 330, gathers=True)
-    engine = hybrid.ZeroBackward(states, layout)
+    engine = zero_backward.ZeroBackward(states, layout)
     assert engine.alive_bytes() == 200 + 660
     engine.hook(_ready(2, 10))  # the last adapter: it and the last base weight
     assert engine.alive_bytes() == 200 + 2 * 220
@@ -956,16 +957,16 @@ def test_zero3_keeps_its_persistent_weights_gathered_but_for_the_optimizer_step(
     from bench.predict import hybrid_trace
 
     numels = (100_001, 4096, 200_000, 64)
-    assert hybrid.persistent_positions(numels) == {1, 3}
-    layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2), persistent=frozenset({1, 3}))
+    assert zero_layout.persistent_positions(numels) == {1, 3}
+    layout = dataclasses.replace(zero_layout.Layout.all_trained(list(numels), ranks=2), persistent=frozenset({1, 3}))
     assert layout.persistent_bytes == 2 * 4096 + 512
     assert layout.held_for_backward == 300_001 and layout.passing_at(1) == [] and layout.passing_at(2) == [2]
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3")), gpus=2)
-    states = hybrid.model_states(cell, layout, largest_layer_params=0)
-    plain = hybrid.model_states(cell, dataclasses.replace(layout, persistent=frozenset()), largest_layer_params=0)
+    states = zero_states.model_states(cell, layout, largest_layer_params=0)
+    plain = zero_states.model_states(cell, dataclasses.replace(layout, persistent=frozenset()), largest_layer_params=0)
     assert states.training_bytes - plain.training_bytes == states.after_step_bytes - plain.after_step_bytes == 8704
     assert states.step_bytes == plain.step_bytes
-    one_rank = hybrid.model_states(dataclasses.replace(cell, gpus=1), dataclasses.replace(layout, ranks=1), 0)
+    one_rank = zero_states.model_states(dataclasses.replace(cell, gpus=1), dataclasses.replace(layout, ranks=1), 0)
     assert one_rank.persistent_bytes == 0
     trace = hybrid_trace._Trace(next_id=0)
     engine = hybrid_trace._Engine(states, layout, trace)
@@ -986,27 +987,27 @@ def test_zero3_releases_after_forward_a_weight_whose_next_use_is_beyond_its_reus
     released one again for its module's backward: 2 B an element at its hook; after the first step, the
     prefetch gathers backward's next weights as each module is done, while fewer than max_live are."""
     numels, modules = (100, 50, 50, 200), [(0,), (1,), (2,), (3,)]
-    assert hybrid.beyond_reuse(numels, modules, frozenset(), 150) == {0, 1, 2}
-    assert hybrid.beyond_reuse(numels, modules, frozenset(), 1000) == set()
-    assert hybrid.beyond_reuse((100, 500), [(0,), (1,), (0,)], frozenset(), 200) == {1}
-    assert hybrid.beyond_reuse((100, 50), [(0,), (1,)], frozenset(), 80) == {0}
-    assert hybrid.beyond_reuse((100, 50), [(0,), (1,)], frozenset({1}), 80) == {1}  # 0's next use is 50 away
+    assert zero_layout.beyond_reuse(numels, modules, frozenset(), 150) == {0, 1, 2}
+    assert zero_layout.beyond_reuse(numels, modules, frozenset(), 1000) == set()
+    assert zero_layout.beyond_reuse((100, 500), [(0,), (1,), (0,)], frozenset(), 200) == {1}
+    assert zero_layout.beyond_reuse((100, 50), [(0,), (1,)], frozenset(), 80) == {0}
+    assert zero_layout.beyond_reuse((100, 50), [(0,), (1,)], frozenset({1}), 80) == {1}  # 0's next use is 50 away
     # the prefetch tops what is held up to max_live from the model's end: 200 held, 290 wanted
-    assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 290) == {2, 1}
-    assert hybrid.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 200) == set()
-    layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2), beyond_reuse=frozenset({0, 1, 2}))
+    assert zero_layout.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 290) == {2, 1}
+    assert zero_layout.prefetched(numels, frozenset({3}), frozenset({0, 1, 2}), 200) == set()
+    layout = dataclasses.replace(zero_layout.Layout.all_trained(list(numels), ranks=2), beyond_reuse=frozenset({0, 1, 2}))
     assert layout.held_for_backward == 200 and layout.held_positions == {3} and layout.passing_at(1) == [1]
     states = dataclasses.replace(_zero3_states(1000, ranks=2), gathered_bytes=400, gathers=True)
-    engine = hybrid.ZeroBackward(states, layout)
+    engine = zero_backward.ZeroBackward(states, layout)
     assert engine.hook(_ready(3, 200)) == 400 + 2000 + 400  # the gradient, the bucket, the kept weight
     assert engine.hook(_ready(2, 50)) == 100 + 2000 + 100  # its weight gathered again, the last one released
     # after the first step the prefetch gathers backward's next weights, here while fewer than 90 elements are
-    prefetching = hybrid.ZeroBackward(dataclasses.replace(states, max_live_elements=90), layout)
+    prefetching = zero_backward.ZeroBackward(dataclasses.replace(states, max_live_elements=90), layout)
     prefetching.hook(_ready(3, 200))
     assert prefetching.gathered == {2, 1}
     assert prefetching.hook(_ready(2, 50)) == 100 + 2000 + 2 * 100  # its weight prefetched: none gathered again
     assert prefetching.gathered == {1, 0}
-    assert hybrid.ZeroBackward(states, layout, first=True).alive_bytes() == 2000  # the first step holds none
+    assert zero_backward.ZeroBackward(states, layout, first=True).alive_bytes() == 2000  # the first step holds none
 
 
 def test_zero3_releases_a_tied_weight_after_lm_heads_backward_and_gathers_it_again() -> None:
@@ -1018,13 +1019,13 @@ def test_zero3_releases_a_tied_weight_after_lm_heads_backward_and_gathers_it_aga
     from bench.predict import hybrid_trace
 
     numels, modules = (100, 50, 50, 50), [(0,), (1,), (2,), (3,), (0,)]
-    assert hybrid.released_in_backward(numels, modules, frozenset(), 120) == {0}
-    assert hybrid.released_in_backward(numels, modules, frozenset(), 200) == set()
-    assert hybrid.released_in_backward(numels, modules[:4], frozenset(), 120) == set()  # untied: nothing later
-    layout = dataclasses.replace(hybrid.Layout.all_trained(list(numels), ranks=2),
+    assert zero_layout.released_in_backward(numels, modules, frozenset(), 120) == {0}
+    assert zero_layout.released_in_backward(numels, modules, frozenset(), 200) == set()
+    assert zero_layout.released_in_backward(numels, modules[:4], frozenset(), 120) == set()  # untied: nothing later
+    layout = dataclasses.replace(zero_layout.Layout.all_trained(list(numels), ranks=2),
                                  released_in_backward=frozenset({0}), held_to_backward_end=frozenset({0}))
     states = dataclasses.replace(_zero3_states(1000, ranks=2), gathers=True, max_live_elements=100)
-    engine = hybrid.ZeroBackward(states, layout)
+    engine = zero_backward.ZeroBackward(states, layout)
     assert engine.gathered == {0, 1, 2, 3}
     engine.hook(_ready(3, 50))  # backward's first hook: the tied weight released, layer 3's too
     assert engine.gathered == {1, 2}  # 100 elements: max_live, no prefetch
@@ -1047,10 +1048,10 @@ def test_zero3_keeps_the_input_embedding_gathered_until_backwards_last_reduction
     cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("zero3")), gpus=2)
     counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())
     assert counter.fed_without_gradient == {0}
-    layout = dataclasses.replace(hybrid.Layout.all_trained([100, 100, 100], ranks=2),
+    layout = dataclasses.replace(zero_layout.Layout.all_trained([100, 100, 100], ranks=2),
                                  beyond_reuse=frozenset({0, 1, 2}), held_to_backward_end=frozenset({0}))
     states = dataclasses.replace(_zero3_states(1000, ranks=2), gathers=True)
-    engine = hybrid.ZeroBackward(states, layout, first=True)
+    engine = zero_backward.ZeroBackward(states, layout, first=True)
     engine.hook(_ready(2, 100))
     assert engine.gathered == set()  # gathered for its backward, released after it
     assert engine.hook(_ready(0, 100)) == 200 + 2000 + 200  # the gradient, the bucket, the weight
@@ -1597,12 +1598,12 @@ def test_offloaded_zero3_parameters_leave_their_own_pinned_partitions_in_torchs_
     from bench.predict.pinned import block_bytes
 
     numels = [3_000_000, 1_000_000, 4096]
-    layout = hybrid.Layout.all_trained(numels)
+    layout = zero_layout.Layout.all_trained(numels)
     offload = "offload" if optimizer_too else "offload(optimizer=false)"
 
     def host_bytes(stack: str, cpu_check: bool) -> int:
         cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
-        return hybrid.model_states(cell, layout, largest_layer_params=3_000_000, cpu_check=cpu_check).host_bytes
+        return zero_states.model_states(cell, layout, largest_layer_params=3_000_000, cpu_check=cpu_check).host_bytes
 
     def params_on_host(cpu_check: bool) -> int:
         with_params = host_bytes(f"{offload}(params=true) + zero3".replace(")(", ", "), cpu_check)

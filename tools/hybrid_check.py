@@ -218,12 +218,12 @@ def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
     training tensors) and the step (the GPU's states, its bucket if held, and what the fake run keeps
     between steps, beside the host's tensors in the step), all as a CPU makes them (`cpu_check`)."""
     from bench import trainer
-    from bench.predict import hybrid
+    from bench.predict import hybrid, zero_backward, zero_layout, zero_states
 
     meta = trainer.build_model(cell, device="meta").model
-    layout = hybrid.Layout.of(meta, cell.gpus, steps.needs_backward, steps.fed_without_gradient)
-    states = hybrid.model_states(cell, layout, hybrid.largest_layer_params(meta), cpu_check=True)
-    training = hybrid.training_peak(steps, states, layout)
+    layout = zero_layout.Layout.of(meta, cell.gpus, steps.needs_backward, steps.fed_without_gradient)
+    states = zero_states.model_states(cell, layout, zero_layout.largest_layer_params(meta), cpu_check=True)
+    training = zero_backward.training_peak(steps, states, layout)
     bucket = states.bucket_bytes if states.bucket_in_step else 0
     moments = {training.where: training.nbytes + states.host_training_bytes // cell.gpus,
                "optimizer step": states.step_bytes + bucket + hybrid.kept_between_steps(steps)
@@ -235,29 +235,29 @@ def _offload_step(cell: Any, counter: Any, steps: Any) -> dict[str, Any]:
 
 def _limit_zero3(live: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 gathering, both given `live`."""
-    from bench.predict import hybrid
+    from bench.predict import zero_layout
 
     _zero_options(stage3_max_live_parameters=live, stage3_max_reuse_distance=live)
-    hybrid.max_reuse_distance = lambda: live  # type: ignore[assignment]
-    hybrid.max_live_parameters = lambda: live  # type: ignore[assignment]
+    zero_layout.max_reuse_distance = lambda: live  # type: ignore[assignment]
+    zero_layout.max_live_parameters = lambda: live  # type: ignore[assignment]
 
 
 def _limit_sub_groups(size: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's ZeRO-3 sub-groups, both given `size`."""
-    from bench.predict import hybrid
+    from bench.predict import zero_states
 
     _zero_options(sub_group_size=size)
-    hybrid.sub_group_size = lambda: size  # type: ignore[assignment]
+    zero_states.sub_group_size = lambda: size  # type: ignore[assignment]
 
 
 def _limit_persistence(elements: int) -> None:
     """DeepSpeed's config for this process's cell and the hybrid's persistent parameters, both given
     `elements` as ZeRO-3's param persistence threshold."""
-    from bench.predict import hybrid
+    from bench.predict import zero_layout
 
     _zero_options(stage3_param_persistence_threshold=elements)
-    model_threshold = hybrid.persistence_thresholds()[1]
-    hybrid.persistence_thresholds = lambda: (elements, model_threshold)  # type: ignore[assignment]
+    model_threshold = zero_layout.persistence_thresholds()[1]
+    zero_layout.persistence_thresholds = lambda: (elements, model_threshold)  # type: ignore[assignment]
 
 
 def _zero_options(**options: int) -> None:

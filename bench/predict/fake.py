@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, attention, bnb, cce, ddp, embedding, fsdp_offload, hybrid, liger, lowrank, reduction, save
+from . import allocator, attention, bnb, cce, ddp, embedding, fsdp_offload, hybrid, liger, lowrank, reduction, save, zero_states
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -364,7 +364,7 @@ def _tied_output_made_then_freed(model: Any) -> None:
     the steps reuse or work around. Made and freed here, where the build makes them."""
     import torch
 
-    nbytes = hybrid.tied_output_bytes(model)
+    nbytes = zero_states.tied_output_bytes(model)
     if nbytes:
         made = torch.empty(nbytes, dtype=torch.uint8)
         del made

@@ -13,22 +13,22 @@ workspaces; not its model states, not its optimizer step), merged with the engin
 order DeepSpeed 0.19.8 makes them (read in stage_1_and_2.py and stage3.py, and seen in its trace on a
 CPU):
 
-- the build (`hybrid.build_events`): ZeRO-2's whole weights, flattened into one buffer beside them (the
+- the build (`zero_states.build_events`): ZeRO-2's whole weights, flattened into one buffer beside them (the
   cache emptied first on a GPU); ZeRO-3's partitions made one parameter at a time;
 - at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone); ZeRO-3's partitions moved
   into one flat buffer (`_defragment`), its fp32 partition per optimizer sub-group (each through a
   transient copy), its bucket and its 16-bit gradient partition; both, the transient fp32 gradient
   that initializes the optimizer's states. With the optimizer offloaded, only what stays on the GPU
-  (`hybrid.zero2_offload`, `hybrid.zero3_offload`);
+  (`zero_states.zero2_offload`, `zero_states.zero3_offload`);
 - in each step's forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
-  into backward (`hybrid.Layout`) each freed at its gradient's hook, the others after their module (in
+  into backward (`zero_layout.Layout`) each freed at its gradient's hook, the others after their module (in
   the first step, which has no trace of the modules' order, all of them); in backward, after the first
-  step, backward's next weights prefetched as each module is done (`hybrid.ZeroBackward.pass_module`),
+  step, backward's next weights prefetched as each module is done (`zero_backward.ZeroBackward.pass_module`),
   and a weight not gathered gathered again at its gradient's hook; its persistent weights kept, but for
   the optimizer step;
-- in backward, at each gradient hook (`hybrid.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
+- in backward, at each gradient hook (`zero_backward.ZeroBackward`, the same bookkeeping): ZeRO-2's bucket at
   the first; the gradient, freed once copied into the bucket (held to the next reduction if larger);
-  a reduction's temporaries, each a block (`hybrid.Reduction`; ZeRO-3's on its reduce stream); ZeRO-2's
+  a reduction's temporaries, each a block (`zero_backward.Reduction`; ZeRO-3's on its reduce stream); ZeRO-2's
   16-bit gradient partition at the first reduction; ZeRO-2's bucket freed after the last;
 - in the optimizer step, with the optimizer on the GPU: two passes of fp64 copies of each gradient
   (DeepSpeed's norms), then per sub-group (ZeRO-2: the partition) the gradients flattened (2 B each),
@@ -48,7 +48,9 @@ from dataclasses import dataclass, field
 
 from . import allocator
 from .counter import GradientReady, MemoryCounter, Record
-from .hybrid import MODEL_STATE_ROLES, Layout, ModelStates, Reduction, ZeroBackward, partition_id, per_rank, sub_groups
+from .zero_backward import Reduction, ZeroBackward
+from .zero_layout import Layout, per_rank
+from .zero_states import MODEL_STATE_ROLES, ModelStates, partition_id, sub_groups
 
 REDUCE_STREAM, ALLGATHER_STREAM = 101, 102  # past any stream the fake run numbers (counter.Record.stream)
 Event = tuple[str, int, int, int]  # (malloc | free | release, id, bytes, stream), as allocator.replay takes them
@@ -141,7 +143,7 @@ def _fake_run_events(counter: MemoryCounter, trace: _Trace) -> None:
 
 def _kept(record: Record) -> bool:
     """Not a model state, not made in the plain optimizer's step (DeepSpeed's own step replaces it), and
-    not the plain build's temporaries (a tied output embedding: hybrid.build_events is the engine's build)."""
+    not the plain build's temporaries (a tied output embedding: zero_states.build_events is the engine's build)."""
     role = record.role or "temporary"
     return role not in MODEL_STATE_ROLES and not record.where.endswith("/optimizer") \
         and not (record.where == "build" and role == "temporary")
@@ -192,7 +194,7 @@ class _Engine:
         return sub_groups([per_rank(n, self.states.ranks) for n in trained]) if self.stage3 else [self.part]
 
     def initialize(self, build: list[tuple[str, int, int]]) -> None:
-        """The build (hybrid.build_events: ZeRO-2's flat 16-bit weights included), then the model states
+        """The build (zero_states.build_events: ZeRO-2's flat 16-bit weights included), then the model states
         made at initialize that stay on the GPU."""
         built, count = self._replay_build(build), len(self.layout.numels)
         if self.stage3:  # the trained parameters' partitions, where on the GPU
