@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/18: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
-so a ZeRO cell's memory is assembled from two sources. This module assembles them; its parts live beside
-it: zero_states.py (the model states and the build), zero_layout.py (ZeRO-3's parameter schedule),
-zero_backward.py (what the engine holds in training) and hybrid_trace.py (the allocations as one trace).
+so a ZeRO cell's memory is assembled here from two sources (the parts live beside this module:
+zero_states.py the model states and the build, zero_layout.py ZeRO-3's parameter schedule,
+zero_backward.py what the engine holds in training, hybrid_trace.py the allocations as one trace):
 
 - **model states** (16-bit weights, fp32 master weights, gradients, Adam's moments) per GPU, phase by
   phase, as DeepSpeed's engine allocates them (`phased`): through forward and backward, and at the
