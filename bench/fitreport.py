@@ -175,10 +175,11 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "replayed through a model of the caching allocator within the budget less what the GPU kind keeps "
              "outside torch (the CUDA context, measured; `fits_budgets_json`); a ZeRO cell's allocations are the "
              "hybrid's (DeepSpeed's, in its order, beside the fake run's own; its method the hybrid/ one above). The "
-             "*smallest card* shown is where the bisection over capacities found the step's boundary: an allocator "
-             "can run within a budget and not within a larger one. Where a row has no replay at the budget (an older "
-             "one), the smallest card decides; where it has no smallest card, the device peak (reserved with no cap "
-             "+ the context).",
+             "*smallest card* shown is the boundary a bisection over capacities found, searched below the smallest "
+             "budget the step runs within: an allocator can run within a budget and not within a larger one (rows "
+             "predicted before that search can show a smallest card above a budget they fit). Where a row has no "
+             "replay at the budget (an older one), the smallest card decides; where it has no smallest card, the "
+             "device peak (reserved with no cap + the context).",
              "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",

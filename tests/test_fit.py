@@ -367,3 +367,28 @@ def test_a_predicted_probe_fits_a_budget_as_its_replay_within_that_budget_says()
     older = {"status": "ok", "least_card_gib": 68.6}  # a prediction made before fits_budgets_json
     assert [fit.runs_within(older, b) for b in (60.0, 70.0)] == [False, True]
     assert [fit.runs_within(row, b) for b in (50.0, 70.0)] == [False, True]  # not replayed there: the least card
+
+
+def test_the_smallest_card_is_never_above_a_budget_the_step_runs_within() -> None:
+    """The allocator runs this trace within 42 MiB, not within 44 to 48, and from 50 on
+    (tests/test_allocator.py): a bisection from what it reserves unbounded finds 50 MiB. A prediction
+    that replayed the budgets starts the bisection from the smallest budget it ran within, so its smallest
+    card (42 MiB here) does not contradict its own verdict at 42 (a board showed such a probe fitting 40
+    GiB with a smallest card of 40.32)."""
+    from bench.predict import allocator, fake, gpus
+
+    mib = 2**20
+    events = [(kind, ident, n * mib) for kind, ident, n in
+              [("malloc", 0, 20), ("free", 0, 20), ("malloc", 1, 24), ("malloc", 2, 12), ("free", 1, 24),
+               ("malloc", 3, 30)]]
+    matrix = spec.from_mapping("f", {"device": "cuda", "models": ["tiny-llama"], "seq_lens": [64], "batch_sizes": [1],
+                                     "stacks": ["baseline"]})
+    cell = make_cell(matrix, "cuda", "tiny-llama", 64, 1, matrix.stacks[0])
+    budgets = tuple(n / 1024 for n in (42, 46, 60))
+    card = gpus.GpuKind("test", "a test card", (9, 0), outside_torch_gib=0.0, budgets_gib=budgets)
+    out = fake.replayed_columns(cell, events, [], [], card)
+    assert list(json.loads(out["fits_budgets_json"]).values()) == [True, False, True]
+    assert out["least_card_gib"] * 1024 == pytest.approx(42)
+    without = fake.replayed_columns(cell, events, [], [], gpus.GpuKind("test", "a test card", (9, 0), outside_torch_gib=0.0))
+    assert "fits_budgets_json" not in without and without["least_card_gib"] * 1024 == pytest.approx(50)
+    assert allocator.least_capacity(events, allocator.replay(events).peak_reserved_bytes) == 50 * mib

@@ -198,7 +198,7 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     out: dict[str, Any] = {}
     card_bytes = None  # what torch may hold on the whole card, where the cell runs within it
     if gpu.memory_gib is not None and gpu.outside_torch_gib is not None:  # the whole card: no memory fraction
-        torch_bytes = int(max(0.0, gpu.memory_gib - gpu.outside_torch_gib - managed_gib) * measure.GIB)
+        torch_bytes = _torch_bytes(gpu.memory_gib - gpu.outside_torch_gib - managed_gib)
         bounded = allocator.replay(events, torch_bytes, at_steps, settings)
         out["fits"] = bounded.oom_at is None
         if out["fits"]:
@@ -211,18 +211,31 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
         out["segments_json"] = segments.to_json(state.held_segments())
     if gpu.outside_torch_gib is not None:
-        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
-        least = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=card_bytes)
-        out["least_card_gib"] = least / measure.GIB + gpu.outside_torch_gib + managed_gib
-        if gpu.budgets_gib:  # each budget replayed: the allocator may run within one and not within a larger one
-            apart_gib = gpu.outside_torch_gib + managed_gib
-            out["fits_budgets_json"] = json.dumps({f"{b:g}": allocator.replay(
-                events, int(max(0.0, b - apart_gib) * measure.GIB), settings=settings, fraction=True).oom_at is None
-                for b in gpu.budgets_gib})
+        apart_gib = gpu.outside_torch_gib + managed_gib
+        out["device_peak_gib"] = out["peak_reserved_gib"] + apart_gib
+        runs_within = {b: _runs_within(events, settings, b - apart_gib) for b in gpu.budgets_gib}
+        if runs_within:  # each budget replayed: the allocator may run within one and not within a larger one
+            out["fits_budgets_json"] = json.dumps({f"{b:g}": ran for b, ran in runs_within.items()})
+        # the bisection starts from the least capacity known to run, so the smallest card is never above
+        # a budget the step runs within
+        known = [card_bytes] + [_torch_bytes(b - apart_gib) for b, ran in runs_within.items() if ran]
+        start = min((n for n in known if n is not None), default=None)
+        least = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=start)
+        out["least_card_gib"] = least / measure.GIB + apart_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])
     return out
+
+
+def _torch_bytes(gib: float) -> int:
+    return int(max(0.0, gib) * measure.GIB)
+
+
+def _runs_within(events: list[tuple[Any, ...]], settings: allocator.Settings, torch_gib: float) -> bool:
+    """Whether the trace runs to its end with torch capped at `torch_gib` by a memory fraction, as `bench
+    fit` caps a budget."""
+    return allocator.replay(events, _torch_bytes(torch_gib), settings=settings, fraction=True).oom_at is None
 
 
 def allocator_settings(cell: Cell) -> allocator.Settings:
