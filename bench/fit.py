@@ -146,6 +146,10 @@ class Probes(Protocol):
         """What the cell needs, whatever its budget, if known without a run (None: the search bisects)."""
         ...
 
+    def fits(self, cell: Cell) -> bool | None:
+        """Whether the cell runs within its budget, if known without a run (None: not known)."""
+        ...
+
 
 @dataclass
 class MeasuredProbes:
@@ -170,6 +174,9 @@ class MeasuredProbes:
 
     def need_gib(self, cell: Cell) -> float | None:
         return None  # a measured peak depends on the budget's cap, and an OOM's is not known: bisect
+
+    def fits(self, cell: Cell) -> bool | None:
+        return None  # only a run under this budget's cap says
 
 
 def predicted_need_gib(row: dict[str, Any]) -> float:
@@ -238,6 +245,13 @@ class PredictedProbes:
         if found is None or found["status"] != "ok" or self._host_runs_out(found):
             return None
         return predicted_need_gib(found)
+
+    def fits(self, cell: Cell) -> bool | None:
+        """As a probe of the cell would say (`run`), where its fake run is done and the host holds it."""
+        found = self.predicted.get(dataclasses.replace(cell, budget_gib=None).cell_id)
+        if found is None or found["status"] != "ok" or self._host_runs_out(found):
+            return None
+        return runs_within(found, cell.budget_gib)
 
     def _host_runs_out(self, found: dict[str, Any]) -> bool:
         host_gib, limit_gib = predict_runner.host_needed_gib(found), self.opts.host_memory_gib
@@ -312,17 +326,20 @@ class FrontierRun:
         return {}, None
 
     def not_monotone(self, sizes: list[int], budget: float, cell_for: Callable[[int], Cell]) -> str:
-        """Sizes seen not to fit below one seen to fit, under this budget: what every size predicted (at any
-        budget) needs, and every probe measured at this one."""
+        """Sizes seen not to fit below one seen to fit, under this budget: every size predicted (at any
+        budget), as a probe of it would say, and every probe measured at this one. What each needs is shown
+        where it says the same (a prediction's replay within the budget can say otherwise: `runs_within`)."""
         fits, needs = {}, {}
         for size in sizes:
             cell = cell_for(size)
-            need = self.probes.need_gib(cell)
+            known, need = self.probes.fits(cell), self.probes.need_gib(cell)
             status = self.rows.get(cell.row_key, {}).get("status")
-            if need is not None:
-                needs[size], fits[size] = need, need <= budget
+            if known is not None:
+                fits[size] = known
             elif status == "ok" or status in self.probes.too_big:
                 fits[size] = status == "ok"
+            if need is not None and fits.get(size) == (need <= budget):
+                needs[size] = need
         return not_monotone_text(fits, needs)
 
     def probe(self, cell: Cell, ran: list[int], size: int) -> str:

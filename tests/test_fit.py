@@ -119,6 +119,7 @@ class _Needing:
 
     def __init__(self, needs: dict[int, float]) -> None:
         self.needs, self.rows, self.known = needs, {}, set()
+        self.replay_fails: set[int] = set()  # sizes whose replay within the budget fails below their need
 
     def run(self, cell) -> bool:
         self.known.add(cell.batch_size)
@@ -127,6 +128,11 @@ class _Needing:
 
     def need_gib(self, cell) -> float | None:
         return self.needs[cell.batch_size] if cell.batch_size in self.known else None
+
+    def fits(self, cell) -> bool | None:
+        if cell.batch_size not in self.known:
+            return None
+        return self.needs[cell.batch_size] <= cell.budget_gib and cell.batch_size not in self.replay_fails
 
 
 def test_a_size_seen_not_to_fit_below_one_that_fits_is_flagged_on_the_board() -> None:
@@ -152,6 +158,11 @@ def test_a_size_seen_not_to_fit_below_one_that_fits_is_flagged_on_the_board() ->
     board = fitreport.not_monotone(pd.DataFrame([{**batch, "not_monotone": seen}]))
     assert board[0] == "## Not monotone" and f"| 16.2 | tiny-llama | `baseline` | batch at seq 64 | {seen} |" in board
     assert fitreport.not_monotone(pd.DataFrame([batch])) == []
+
+    # a prediction's replay within the budget can fail where its smallest card is below it (the allocator is
+    # not monotone in the capacity): the flag follows the replay, as the probe does, and shows no need there
+    probes.replay_fails = {3}
+    assert run.not_monotone(list(range(1, 9)), 16.2, cell_for) == "3, 5 (16.50 GiB) not fitting, below 6 (16.00 GiB) fitting"
 
 
 FIT = """
