@@ -189,7 +189,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                 "releasing its cache and retrying where a segment does not fit, as under a capped "
                                 "allocator (a fit probe's budget, a memory fraction: with garbage_collection_threshold, "
                                 "collecting as torch does only under one); below device_peak_gib where retries make "
-                                "room, each a device synchronisation, GiB"),
+                                "room, each a device synchronisation. The bisection starts from the smallest capacity "
+                                "known to run (the card, or a budget in fits_budgets_json), so it is never above one: "
+                                "the allocator does not promise a single boundary, GiB"),
     ("fits_budgets_json", "str", "PREDICTED, where bench fit --predict searched budgets: {budget GiB: whether the "
                                  "step runs within it}, the trace replayed within each as for least_card_gib. The "
                                  "allocator may run within a budget and not within a larger one (it releases its "
