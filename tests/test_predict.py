@@ -713,15 +713,62 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
     """Two real steps on the CPU (tests/zero_bucket.py): the largest allocation DeepSpeed makes is its
     reduce bucket, whole although the model has far fewer parameters, and the hybrid counts that. The
     offload stacks too: a run does not plan them on a CPU (nothing to measure), but their engine's code
-    runs here, so a DeepSpeed release that breaks it shows in CI, not in a GPU window."""
+    runs here, so a DeepSpeed release that breaks it shows in CI, not in a GPU window.
+    ZeRO-3: what initialize makes after its bucket is what the hybrid's trace makes there: the 16-bit
+    gradient partition, then each trained weight gathered whole and freed as its gradient hook is
+    registered, in the model's order (hybrid/18 made none of those gathers)."""
     pytest.importorskip("deepspeed")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "zero_bucket.py"), stack], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    largest = json.loads(proc.stdout.strip().splitlines()[-1])["largest_bytes"]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
     cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack))
     layout = zero_layout.Layout.all_trained([225_000])
-    assert zero_states.model_states(cell, layout, largest_layer_params=65_536).bucket_bytes == largest
+    assert zero_states.model_states(cell, layout, largest_layer_params=65_536).bucket_bytes == real["largest_bytes"]
+    if "zero3" in cell.stack.names:
+        states, ours = _initialize_after_bucket(cell)
+        theirs = real["built_after_largest"][1:] if states.to_host else real["built_after_largest"]
+        # with the optimizer offloaded, the gradient partition is the host's: a CPU's, as the device is, here
+        assert len(ours) == len(list(trainer.build_model(cell, device="meta").model.parameters())) + (not states.to_host)
+        assert ours == theirs[:len(ours)]
+
+
+@pytest.mark.slow
+def test_the_hybrid_makes_the_segments_the_h200_made_for_llama_3b_under_zero2_with_its_optimizer_offloaded() -> None:
+    """Llama-3.2-3B at seq 2048, batch 2, `offload + zero2`, as the H200 ran it (llama3b-h200-20261127, torch
+    2.11): the hybrid's trace replayed holds the GPU's segments one for one, and so its peak reserved,
+    30.71 GiB. DeepSpeed makes the host's fp32 partition from a 16-bit clone on the GPU (6128 MiB), freed at
+    once: forward's first activations and the embedding gradient's fp64 copy are carved out of it. Without
+    that clone (hybrid/18) the replay made 80 segments of 64 MiB more and one of 3006 MiB: +3.19%."""
+    pytest.importorskip("deepspeed")
+    from bench import cells
+    from bench.envinfo import OPTIONAL_PACKAGES, HostCaps
+
+    cell_id = "llama-3.2-3b_s2048_b2_offload+zero2_e37fa491"
+    runs = REPO / "results" / "llama3b" / "runs"
+    measured = pd.read_parquet(runs / "llama3b-h200-20261127.parquet").set_index("cell_id").loc[cell_id]
+    planned = cells.expand(spec.get(REPO / "matrix.yaml", "llama3b"), HostCaps(1, frozenset(OPTIONAL_PACKAGES)))
+    predicted = hybrid.predict(next(c for c in planned if c.cell_id == cell_id), gpus.get("h200"))
+    assert segments.counts(predicted["segments_json"]) == segments.counts(measured["segments_json"])
+    assert predicted["peak_reserved_gib"] == measured["peak_reserved_gib"]
+
+
+def _initialize_after_bucket(cell: Any) -> tuple[Any, list[list[Any]]]:
+    """The hybrid's trace of a ZeRO cell as on a CPU (`cpu_check`): its model states, and what its
+    initialize allocates after the bucket, [bytes in blocks, freed within initialize] each, in order."""
+    from bench.predict import hybrid_trace
+
+    counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())
+    meta = trainer.build_model(cell, device="meta").model
+    layout = zero_layout.Layout.of(meta, cell.gpus, counter.needs_backward, counter.fed_without_gradient)
+    states = zero_states.model_states(cell, layout, zero_layout.largest_layer_params(meta), cpu_check=True)
+    events, _ = hybrid_trace.engine_trace(counter, states, layout, zero_states.build_events(meta, cell, cpu_check=True))
+    engine_ids = len(counter.records)  # the engine's blocks have ids past the fake run's records
+    initialize = list(itertools.takewhile(lambda e: e[1] >= engine_ids or e[0] == "release", events))
+    mallocs = [(i, e) for i, e in enumerate(initialize) if e[0] == "malloc"]
+    bucket = next(i for i, e in mallocs if e[2] == states.bucket_bytes)
+    freed = {e[1] for e in initialize if e[0] == "free"}
+    return states, [[-(-e[2] // BLOCK_BYTES) * BLOCK_BYTES, e[1] in freed] for i, e in mallocs if i > bucket]
 
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:

@@ -15,11 +15,14 @@ CPU):
 
 - the build (`zero_states.build_events`): ZeRO-2's whole weights, flattened into one buffer beside them (the
   cache emptied first on a GPU); ZeRO-3's partitions made one parameter at a time;
-- at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone); ZeRO-3's partitions moved
-  into one flat buffer (`_defragment`), its fp32 partition per optimizer sub-group (each through a
-  transient copy), its bucket and its 16-bit gradient partition; both, the transient fp32 gradient
-  that initializes the optimizer's states. With the optimizer offloaded, only what stays on the GPU
-  (`zero_states.zero2_offload`, `zero_states.zero3_offload`);
+- at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone, made on the GPU even where
+  the partition goes to the host); ZeRO-3's partitions moved into one flat buffer (`_defragment`), its
+  fp32 partition per optimizer sub-group (each through a transient copy), its bucket and its 16-bit
+  gradient partition, then each trained weight gathered whole and freed as its gradient hook is
+  registered; both, the transient fp32 gradient that initializes the optimizer's states. With the
+  optimizer offloaded, only what stays on the GPU (`zero_states.zero2_offload`,
+  `zero_states.zero3_offload`). What initialize frees stays cached: forward carves its first
+  activations out of it;
 - in each step's forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
   into backward (`zero_layout.Layout`) each freed at its gradient's hook, the others after their module (in
   the first step, which has no trace of the modules' order, all of them); in backward, after the first
@@ -205,12 +208,14 @@ class _Engine:
 
     def _initialize_2(self) -> None:
         """ZeRO-2: the fp32 partition (from a 16-bit clone) and the transient gradient with which the
-        optimizer's states are initialized; with the optimizer offloaded, only the buffer each gradient
-        goes to the host through."""
+        optimizer's states are initialized; with the optimizer offloaded, the fp32 partition is made on
+        the host, but from a 16-bit clone on the GPU all the same (stage_1_and_2.py: `.clone().to(device=
+        cpu, dtype=fp32)` clones first), and the buffer each gradient goes to the host through stays."""
+        clone = self.trace.malloc(2 * self.part)
         if self.states.to_host:
+            self.trace.free(clone)
             self.trace.malloc(2 * max(self.layout.trained_numels))
             return
-        clone = self.trace.malloc(2 * self.part)
         self.trace.malloc(4 * self.part)  # fp32 master weights
         self.trace.free(clone)
         self.trace.transient(4 * self.part)
@@ -229,6 +234,22 @@ class _Engine:
         self.bucket = self.trace.malloc(self.states.bucket_bytes)
         if not self.states.to_host:
             self.trace.malloc(2 * self.part)
+        self._gather_for_hooks()
+
+    def _gather_for_hooks(self) -> None:
+        """ZeRO-3 registers each trained parameter's gradient hook between gathering it whole and
+        partitioning it again (stage3.py `create_reduce_and_remove_grad_hooks`), one at a time, last at
+        initialize. The gather (`_allgather_params_sequential`, as the build's: `zero_states._partitioned`)
+        fills the whole from `ds_tensor.to(device)`: an offloaded partition is copied onto the GPU beside
+        it; on a CPU that copy is none. The input embedding comes first: the blocks of its gather stay
+        cached for what forward makes next (the H200's Llama-3.2-3B with offloaded parameters: two
+        752 MiB segments that hold its first activations, where hybrid/18 made 64 MiB ones)."""
+        for position in self.layout.trained:
+            elements = self.layout.numels[position]
+            whole = self.trace.malloc(self._whole(elements))
+            if self.states.weights_on_host and not self.states.cpu_check:
+                self.trace.transient(2 * per_rank(elements, self.states.ranks))
+            self.trace.free(whole)
 
     def _defragment(self, partitions: list[int]) -> None:
         """ZeRO-3's 16-bit partitions of the trained parameters moved into one flat buffer (DeepSpeed's
