@@ -753,6 +753,25 @@ def test_the_hybrid_makes_the_segments_the_h200_made_for_llama_3b_under_zero2_wi
     assert predicted["peak_reserved_gib"] == measured["peak_reserved_gib"]
 
 
+def test_a_zero_cell_whose_peak_is_its_build_gets_its_smallest_card_and_budgets_from_the_replay() -> None:
+    """ZeRO-2 builds the whole 16-bit model on the GPU and flattens it into one buffer beside it: at seq
+    16, Llama-3.2-3B's peak is that build. What it then frees stays cached (the whole weights' blocks, and
+    with the optimizer offloaded initialize's 16-bit clone), so reserved with no bound is far above
+    what is allocated; under a cap the allocator releases that cache and retries. The hybrid's trace
+    begins with the build, so its replay within each budget and its smallest card say so: within a
+    GiB of peak allocated and the context. (Before hybrid/19 a build's peak set the smallest card to
+    the device peak with no bound, 45.76 GiB for Llama-3.1-8B's `gc + offload + zero2` at seq 2048,
+    where the replay runs within 30.8.)"""
+    pytest.importorskip("deepspeed")
+    h100 = dataclasses.replace(gpus.get("h100"), budgets_gib=(16.0, 24.0))
+    found = hybrid.predict(make_cell(SMOKE, "cuda", "llama-3.2-3b", 16, 1, parse_stack("offload + zero2")), h100)
+    assert found["peak_phase"] == "build"
+    assert h100.outside_torch_gib is not None
+    needs_gib = found["peak_allocated_gib"] + h100.outside_torch_gib
+    assert needs_gib <= found["least_card_gib"] < needs_gib + 1 < 16 < found["device_peak_gib"] - 2
+    assert json.loads(found["fits_budgets_json"]) == {"16": True, "24": True}
+
+
 def _initialize_after_bucket(cell: Any) -> tuple[Any, list[list[Any]]]:
     """The hybrid's trace of a ZeRO cell as on a CPU (`cpu_check`): its model states, and what its
     initialize allocates after the bucket, [bytes in blocks, freed within initialize] each, in order."""

@@ -141,7 +141,6 @@ prefetch is ahead).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -176,7 +175,10 @@ METHOD = "hybrid/19"  # bump when what it counts changes (2: flash attention bac
 # cloned in 16 bits on the GPU when the optimizer is offloaded too, and ZeRO-3's every trained weight gathered
 # whole as its gradient hook is registered (an offloaded one beside its partition's copy). The H200's
 # Llama-3.2-3B: offload + zero2 reserved +3.19% -> 0.00%, its segments the GPU's one for one; offload(params=True)
-# + zero3 -3.05% -> -3.05%, gc + it -6.23% -> -4.27%: two of the three 752 MiB segments they missed)
+# + zero3 -3.05% -> -3.05%, gc + it -6.23% -> -4.27%: two of the three 752 MiB segments they missed. And a cell
+# whose peak is its build gets its smallest card and budgets from the replay, as any other: its trace holds the
+# build, whose cached blocks the allocator releases under a cap; it took the device peak with no bound, which holds
+# them: Llama-3.1-8B's gc + offload + zero2 at s2048 45.76 GiB (with the clone), where the replay runs in 30.79)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
@@ -248,12 +250,10 @@ def hybrid_columns(cell: Cell, training: Peak, kept_bytes: int, replayed: dict[s
     if "offload" in cell.stack.names:
         out["host_peak_gib"] = states.host_bytes / measure.GIB + cell.gpus * WORKER_PROCESS_GIB
     if gpu.outside_torch_gib is not None:
+        # the smallest card and each budget's verdict are the replay's (`replayed`): its trace begins with
+        # the build, so a cell whose peak is its build is bisected like any other, the allocator releasing
+        # what it caches there (ZeRO-2's whole weights, once flattened) before it gives up
         out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib
-        out["least_card_gib"] = max(replayed.get("least_card_gib", 0.0), out["device_peak_gib"]
-                                    if out["peak_phase"] == "build" else 0.0)
-        if out["peak_phase"] == "build" and "fits_budgets_json" in replayed:
-            out["fits_budgets_json"] = json.dumps({b: ran and float(b) >= out["device_peak_gib"]
-                                                   for b, ran in json.loads(replayed["fits_budgets_json"]).items()})
         if gpu.memory_gib is not None:
             out["fits"] = replayed.get("fits") is not False and out["device_peak_gib"] <= gpu.memory_gib
     return out
