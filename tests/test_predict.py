@@ -734,17 +734,21 @@ def test_the_gradient_bucket_is_the_one_deepspeed_allocates(stack: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_hybrid_makes_the_segments_the_h200_made_for_llama_3b_under_zero2_with_its_optimizer_offloaded() -> None:
-    """Llama-3.2-3B at seq 2048, batch 2, `offload + zero2`, as the H200 ran it (llama3b-h200-20261127, torch
-    2.11): the hybrid's trace replayed holds the GPU's segments one for one, and so its peak reserved,
-    30.71 GiB. DeepSpeed makes the host's fp32 partition from a 16-bit clone on the GPU (6128 MiB), freed at
-    once: forward's first activations and the embedding gradient's fp64 copy are carved out of it. Without
-    that clone (hybrid/18) the replay made 80 segments of 64 MiB more and one of 3006 MiB: +3.19%."""
+@pytest.mark.parametrize("cell_id", ["llama-3.2-3b_s2048_b2_offload+zero2_e37fa491", "llama-3.2-3b_s2048_b2_zero3_2154c3de"])
+def test_the_hybrid_makes_the_segments_the_h200_made_for_llama_3b_under_zero(cell_id: str) -> None:
+    """Llama-3.2-3B at seq 2048, batch 2, as the H200 ran it (llama3b-h200-20261127, torch 2.11): the hybrid's
+    trace replayed holds the GPU's segments one for one, and so its peak reserved.
+    `offload + zero2` (30.71 GiB): DeepSpeed makes the host's fp32 partition from a 16-bit clone on the
+    GPU (6128 MiB), freed at once, and forward's first activations and the embedding gradient's fp64 copy
+    are carved out of it. Without that clone (hybrid/18) the replay made 80 segments of 64 MiB more and
+    one of 3006 MiB: +3.19%.
+    `zero3` (83.59 GiB): each optimizer sub-group's fp32 copy lives until the next one's is made, so the
+    last, smaller one (732 MiB) gets a segment of its own. Freed at once (hybrid/19), it was carved out
+    of the cache and the activations needed 15 segments more: +0.01%."""
     pytest.importorskip("deepspeed")
     from bench import cells
     from bench.envinfo import OPTIONAL_PACKAGES, HostCaps
 
-    cell_id = "llama-3.2-3b_s2048_b2_offload+zero2_e37fa491"
     runs = REPO / "results" / "llama3b" / "runs"
     measured = pd.read_parquet(runs / "llama3b-h200-20261127.parquet").set_index("cell_id").loc[cell_id]
     planned = cells.expand(spec.get(REPO / "matrix.yaml", "llama3b"), HostCaps(1, frozenset(OPTIONAL_PACKAGES)))
@@ -772,9 +776,35 @@ def test_a_zero_cell_whose_peak_is_its_build_gets_its_smallest_card_and_budgets_
     assert json.loads(found["fits_budgets_json"]) == {"16": True, "24": True}
 
 
-def _initialize_after_bucket(cell: Any) -> tuple[Any, list[list[Any]]]:
-    """The hybrid's trace of a ZeRO cell as on a CPU (`cpu_check`): its model states, and what its
-    initialize allocates after the bucket, [bytes in blocks, freed within initialize] each, in order."""
+@pytest.mark.slow
+def test_zero3_makes_each_sub_groups_fp32_partition_through_a_copy_freed_as_the_next_is_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO-3's fp32 master weights, sub-group by sub-group (tiny-llama in two sub-groups of 1e5 elements,
+    one gloo rank, tests/zero_bucket.py): DeepSpeed copies each 16-bit partition to fp32 and clones it;
+    the copy, a loop variable, is freed only once the next sub-group's copy is made, and the last at the
+    loop's end. The hybrid's trace makes and frees those blocks in DeepSpeed's order (hybrid/19 freed each
+    copy before the next clone; on the H200's Llama-3.2-3B `zero3` that made one 734 MiB segment fewer than
+    the GPU did)."""
+    pytest.importorskip("deepspeed")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "zero_bucket.py"), "zero3", "100000"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])["built"]
+    monkeypatch.setattr(zero_states, "sub_group_size", lambda: 100_000)
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("zero3"))
+    _, ours = _initialize_events(cell)
+    numels = [p.numel() for p in trainer.build_model(cell, device="meta").model.parameters()]
+    first, second = (-(-4 * group // BLOCK_BYTES) * BLOCK_BYTES for group in zero_states.sub_groups(numels))
+    # each sub-group's copy and clone; the first copy freed once the second is made, the second after its clone
+    expected = [["malloc", first], ["malloc", first], ["malloc", second], ["free", first], ["malloc", second],
+                ["free", second]]
+    assert [[kind, nbytes] for kind, nbytes in real if nbytes in (first, second)][:6] == expected
+    assert [[kind, nbytes] for kind, _, nbytes in ours if nbytes in (first, second)][:6] == expected
+
+
+def _initialize_events(cell: Any) -> tuple[Any, list[tuple[str, int, int]]]:
+    """The hybrid's trace of a ZeRO cell as on a CPU (`cpu_check`): its model states, and the events of its
+    build and initialize in order, (kind, id, bytes in blocks) each."""
     from bench.predict import hybrid_trace
 
     counter, _, _ = fake.counted_run(hybrid.activation_cell(cell), Workspaces())
@@ -783,11 +813,18 @@ def _initialize_after_bucket(cell: Any) -> tuple[Any, list[list[Any]]]:
     states = zero_states.model_states(cell, layout, zero_layout.largest_layer_params(meta), cpu_check=True)
     events, _ = hybrid_trace.engine_trace(counter, states, layout, zero_states.build_events(meta, cell, cpu_check=True))
     engine_ids = len(counter.records)  # the engine's blocks have ids past the fake run's records
-    initialize = list(itertools.takewhile(lambda e: e[1] >= engine_ids or e[0] == "release", events))
-    mallocs = [(i, e) for i, e in enumerate(initialize) if e[0] == "malloc"]
+    initialize = itertools.takewhile(lambda e: e[1] >= engine_ids or e[0] == "release", events)
+    return states, [(kind, ident, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES) for kind, ident, nbytes, _ in initialize]
+
+
+def _initialize_after_bucket(cell: Any) -> tuple[Any, list[list[Any]]]:
+    """The hybrid's model states, and what its initialize allocates after the bucket, [bytes in blocks,
+    freed within initialize] each, in order."""
+    states, events = _initialize_events(cell)
+    mallocs = [(i, e) for i, e in enumerate(events) if e[0] == "malloc"]
     bucket = next(i for i, e in mallocs if e[2] == states.bucket_bytes)
-    freed = {e[1] for e in initialize if e[0] == "free"}
-    return states, [[-(-e[2] // BLOCK_BYTES) * BLOCK_BYTES, e[1] in freed] for i, e in mallocs if i > bucket]
+    freed = {e[1] for e in events if e[0] == "free"}
+    return states, [[e[2], e[1] in freed] for i, e in mallocs if i > bucket]
 
 
 def test_a_zero3_build_holds_one_whole_parameter_where_a_zero2_build_holds_the_model() -> None:

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/19: METHOD below).
+"""DeepSpeed ZeRO-2/3 (+ offload) cells, predicted as a hybrid (`prediction_method` hybrid/20: METHOD below).
 
 The DeepSpeed engine cannot run on fake tensors (its flat buffers and partitioning read real storage),
 so a ZeRO cell's memory is assembled here from two sources (the parts live beside this module:
@@ -154,7 +154,7 @@ from .zero_backward import training_peak
 from .zero_layout import Layout, largest_layer_params, per_rank
 from .zero_states import MODEL_STATE_ROLES, Build, ModelStates, build_events, model_states, sub_groups
 
-METHOD = "hybrid/19"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
+METHOD = "hybrid/20"  # bump when what it counts changes (2: flash attention backward's scratch in its fake run;
 # 3: the model states phase by phase, checked against DeepSpeed's engine on a CPU; 4: ZeRO-2's bucket,
 # gradients and partition moment by moment through backward, as its gradient hooks make them; 5: ZeRO-3's
 # gradients and reductions too, and its offload's tensors on the GPU and host instead of the estimator's;
@@ -178,7 +178,9 @@ METHOD = "hybrid/19"  # bump when what it counts changes (2: flash attention bac
 # + zero3 -3.05% -> -3.05%, gc + it -6.23% -> -4.27%: two of the three 752 MiB segments they missed. And a cell
 # whose peak is its build gets its smallest card and budgets from the replay, as any other: its trace holds the
 # build, whose cached blocks the allocator releases under a cap; it took the device peak with no bound, which holds
-# them: Llama-3.1-8B's gc + offload + zero2 at s2048 45.76 GiB (with the clone), where the replay runs in 30.79)
+# them: Llama-3.1-8B's gc + offload + zero2 at s2048 45.76 GiB (with the clone), where the replay runs in 30.79;
+# 20: ZeRO-3's fp32 copy of each optimizer sub-group freed only as the next one's is made (a loop variable), so
+# two live at once: the H200's Llama-3.2-3B zero3 reserved +0.01% -> 0.00%, its segments the GPU's one for one)
 ENGINE_TECHNIQUES = ("zero2", "zero3", "offload")
 # Host RSS of one worker process besides what it offloads: the median over the 56 ok cells of the
 # published llama3b-h100-20261122 run (1.45 to 1.59 GiB; torch 2.11, CUDA 13).
