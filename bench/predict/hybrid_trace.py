@@ -18,9 +18,9 @@ CPU):
 - at initialize: ZeRO-2's fp32 partition (4 B each, through a 16-bit clone, made on the GPU even where
   the partition goes to the host); ZeRO-3's partitions moved into one flat buffer (`_defragment`), its
   fp32 partition per optimizer sub-group (each through an fp32 copy, freed as the next is made), its
-  bucket and its 16-bit gradient partition, then each trained weight gathered whole and freed as its gradient hook is
-  registered; both, the transient fp32 gradient that initializes the optimizer's states. With the
-  optimizer offloaded, only what stays on the GPU (`zero_states.zero2_offload`,
+  bucket and its 16-bit gradient partition, then each trained weight gathered whole and freed as its
+  gradient hook is registered; both, the transient fp32 gradient that initializes the optimizer's
+  states. With the optimizer offloaded, only what stays on the GPU (`zero_states.zero2_offload`,
   `zero_states.zero3_offload`). What initialize frees stays cached: forward carves its first
   activations out of it;
 - in each step's forward, on several ranks, ZeRO-3's gathered weights (on its all-gather stream): those it keeps
@@ -222,8 +222,9 @@ class _Engine:
 
     def _initialize_3(self, partitions: list[int]) -> None:
         """ZeRO-3: the built partitions flattened (`_defragment`); with the optimizer on the GPU, the fp32
-        partition of each sub-group (through a transient copy) and the transient gradient of the largest;
-        the bucket; with the optimizer on the GPU, the 16-bit gradient partition."""
+        partition of each sub-group (`_fp32_partitions`) and the transient gradient of the largest; the
+        bucket; with the optimizer on the GPU, the 16-bit gradient partition; then the gathers as its
+        gradient hooks are registered (`_gather_for_hooks`)."""
         self._defragment(partitions)
         if not self.states.to_host:
             self._fp32_partitions()
