@@ -763,9 +763,9 @@ def test_a_zero_cell_whose_peak_is_its_build_gets_its_smallest_card_and_budgets_
     with the optimizer offloaded initialize's 16-bit clone), so reserved with no bound is far above
     what is allocated; under a cap the allocator releases that cache and retries. The hybrid's trace
     begins with the build, so its replay within each budget and its smallest card say so: within a
-    GiB of peak allocated and the context. (Before hybrid/19 a build's peak set the smallest card to
-    the device peak with no bound, 45.76 GiB for Llama-3.1-8B's `gc + offload + zero2` at seq 2048,
-    where the replay runs within 30.8.)"""
+    GiB of peak allocated and the context. (The rule this replaced set a build peak's smallest card to
+    the device peak with no bound: with initialize's clone counted, 45.76 GiB for Llama-3.1-8B's `gc +
+    offload + zero2` at seq 2048, where the replay runs within 30.8.)"""
     pytest.importorskip("deepspeed")
     h100 = dataclasses.replace(gpus.get("h100"), budgets_gib=(16.0, 24.0))
     found = hybrid.predict(make_cell(SMOKE, "cuda", "llama-3.2-3b", 16, 1, parse_stack("offload + zero2")), h100)
