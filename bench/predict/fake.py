@@ -295,6 +295,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             FakeTensorMode() as mode, counter:
+        if _loaded(cell):
+            _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
         if _built_from_config(cell, built):
             _tied_output_made_then_freed(model)
@@ -364,10 +366,32 @@ def _fake_parameters(model: Any, counter: MemoryCounter, deferred: bool = False)
     return model
 
 
+def _loaded(cell: Cell) -> bool:
+    """Whether a technique loads the model from a checkpoint (a quantized base, Unsloth): from_pretrained."""
+    return any(use.technique.load is not None for use in cell.stack.uses)
+
+
 def _built_from_config(cell: Cell, built: trainer.Built) -> bool:
     """Whether the GPU run builds this model from its config on the GPU (trainer.base_model), as opposed
     to a load (a quantized base, Unsloth) or a deferred build (FSDP2, ZeRO-3), which tie on meta."""
-    return built.deferred is None and not any(use.technique.load is not None for use in cell.stack.uses)
+    return built.deferred is None and not _loaded(cell)
+
+
+def _load_warmup_made_then_freed(model: Any) -> None:
+    """transformers' from_pretrained, given a device map, warms the caching allocator up before it loads
+    (modeling_utils.caching_allocator_warmup, 5.17): one block of the weights' loaded size (each weight
+    once, tied ones too; a bitsandbytes 4-bit one at half a byte an element), freed at once. The
+    allocator keeps it cached, and the load and the steps carve their blocks out of it. The H200's
+    Llama-3.2-3B qlora: 2,197,641,216 B, the GPU's 2096 MiB segment to the byte. The weights loaded are
+    the frozen base's: the adapters, trained, come after the load. Not counted: the warmup takes off what
+    the cache holds unused, and stops 1.2 GiB short of the card (a model that large does not fit)."""
+    import torch
+
+    nbytes = sum(p.numel() // 2 if bnb.is_4bit(p) else p.numel() * p.element_size()
+                 for p in model.parameters() if not p.requires_grad)
+    if nbytes:
+        made = torch.empty(nbytes // 2, dtype=torch.float16)
+        del made
 
 
 def _tied_output_made_then_freed(model: Any) -> None:

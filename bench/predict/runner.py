@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/10"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/11"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -47,7 +47,9 @@ METHOD = "fake-run/10"  # bump when what a prediction counts changes (2: reserve
 # makes the GPU's large requests in the GPU's order, and gc s2048 b2 went -3.21% -> 0.00%, gc + adamw8bit
 # -3.97% -> 0.00%; over the 76 cells over 1%: 8 -> 2, the two ZeRO offload cells; 10: CUDA's embedding
 # backward takes a partial-sum buffer over more than 3,072 indices (bench/predict/embedding.py), the only
-# large request the fake run's first step lacked beside the H200's trace of gc s2048 b2)
+# large request the fake run's first step lacked beside the H200's trace of gc s2048 b2; 11: a load's allocator
+# warmup (transformers' from_pretrained: one block of the loaded weights' size, freed at once), which moves only
+# the load stacks (qlora, unsloth): the H200's Llama-3.2-3B qlora +0.30% -> +0.24%, its 2096 MiB segment the GPU's to the byte)
 
 
 @dataclass(frozen=True)
