@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -455,12 +455,25 @@ def read_any(path: Path):
     return read_parquet(path, PREDICTED if kind == b"predicted" else MEASURED)
 
 
-def read_parquet(path: Path, table: Table = MEASURED):
-    """A run's table in the current schema: tables published under an older schema version stay
-    readable by the current reports (columns added since are derived where they can be, else empty)."""
+def holds_cells(path: Path, cell_ids: Collection[str]) -> bool:
+    """Whether a table has a row of any of these cells (its cell ids read alone: no conversion)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(path, columns=["cell_id"])["cell_id"]
+    return bool(pc.any(pc.is_in(ids, value_set=pa.array(sorted(cell_ids), type=pa.string()))).as_py())
+
+
+def read_parquet(path: Path, table: Table = MEASURED, cell_ids: Collection[str] | None = None):
+    """A run's table in the current schema (of these cells' rows, if given): tables published under an older
+    schema version stay readable by the current reports (columns added since are derived where they can be,
+    else empty)."""
     import pandas as pd
 
     frame = pd.read_parquet(path)
+    if cell_ids is not None:
+        frame = frame[frame["cell_id"].isin(cell_ids)]
     rows = [{k: None if v is pd.NA or v is None or v != v else v for k, v in r.items()}  # v != v: NaN
             for r in frame.to_dict("records")]
     return to_frame(rows, table)

@@ -83,10 +83,11 @@ class Sources:
         # so a table's bold and italic figures come from the same code; else the newest prediction
         self.software = predict_report.software(measured).mode().iloc[0] if len(measured) else None
         # for the card the reports ran on: another card's allocator (an H200's) never retries where the H100's does
-        predicted = predict_report.predictions(results_dir, prefer=self.software, gpu_kind=CARD.key)
+        every = predict_report.every_prediction(results_dir)
+        predicted = predict_report.newest(every, prefer=self.software, gpu_kind=CARD.key)
         self.measured = _by_id(_failed_gpu_cells(results_dir), measured)
         self.predicted = predicted.set_index("cell_id", drop=False)
-        self.pairs = predict_report.pairs(measured, predict_report.predictions(results_dir, every_software=True))
+        self.pairs = predict_report.pairs(measured, predict_report.newest(every, every_software=True))
 
     def figure(self, cell: cells.Cell | None, number: bool = False) -> Figure:
         """The measured row if there is one, else the prediction; `number`: a figure to compute with,

@@ -63,6 +63,26 @@ def test_a_preferred_softwares_prediction_is_chosen_over_a_newer_one_under_other
     assert len(others) and (preferred.loc[others, "run_id"] == newest.loc[others, "run_id"]).all()
 
 
+def test_predictions_of_some_cells_are_those_rows_of_every_table_and_skip_tables_without_them(tmp_path: Path) -> None:
+    """`every_prediction(cell_ids=...)`, as `bench ask`'s record reads it (the measured cells' predictions only):
+    the same rows as reading every table whole and keeping those cells', oldest first; a table holding none of
+    them is not converted at all."""
+    results_dir = _results_with_a_second_software(tmp_path, "2000-01-01T00:00:00+00:00")
+    pd.read_parquet(PREDICTED_RUN).assign(cell_id="elsewhere").to_parquet(tmp_path / "llama3b" / "predicted" / "other.parquet")
+    wanted = set(pd.read_parquet(results_dir / "llama3b" / "predicted" / "same-software.parquet")["cell_id"][:5])
+    whole = report.every_prediction(results_dir)
+    some = report.every_prediction(results_dir, cell_ids=wanted)
+    expected = whole[whole["cell_id"].isin(wanted)].reset_index(drop=True)
+    assert set(some["cell_id"]) == wanted and len(some) == 2 * len(wanted)  # each in both tables that hold it
+    pd.testing.assert_frame_equal(some, expected)
+    read = []
+    real = report.results.read_parquet
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report.results, "read_parquet", lambda path, *a: read.append(path.name) or real(path, *a))
+        report.every_prediction(results_dir, cell_ids=wanted)
+    assert "other.parquet" not in read and len(read) == 2
+
+
 def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: Path) -> None:
     results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
     text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))

@@ -10,6 +10,7 @@ fraction of measured. Generated, never edited by hand.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +25,15 @@ GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the
 
 def predictions(results_dir: Path, matrix: str | None = None, every_software: bool = False,
                 prefer: str | None = None, gpu_kind: str | None = None) -> pd.DataFrame:
-    """Every predicted row under results_dir (of one matrix, if given; made for one GPU kind, if given),
-    the newest per cell id (with `prefer`, a software label: the newest made under it where the cell has
-    one); with every_software, the newest per cell id, software (see `software`) and GPU kind, for `pairs`
-    to choose from."""
-    frame = every_prediction(results_dir, matrix)
+    """Every predicted row under results_dir (of one matrix, if given), the newest per cell id: `newest`."""
+    return newest(every_prediction(results_dir, matrix), every_software, prefer, gpu_kind)
+
+
+def newest(frame: pd.DataFrame, every_software: bool = False, prefer: str | None = None,
+           gpu_kind: str | None = None) -> pd.DataFrame:
+    """Of predicted rows, oldest first (`every_prediction`; made for one GPU kind, if given), the newest per
+    cell id (with `prefer`, a software label: the newest made under it where the cell has one); with
+    every_software, the newest per cell id, software (see `software`) and GPU kind, for `pairs` to choose from."""
     if gpu_kind is not None:  # a row that names no kind is not known to be another card's: kept
         frame = frame[(frame["gpu_kind"] == gpu_kind).fillna(True).astype(bool)]
     if prefer is not None:  # the preferred software's rows last, so the newest of them is kept
@@ -37,10 +42,15 @@ def predictions(results_dir: Path, matrix: str | None = None, every_software: bo
     return frame[~keys.duplicated(keep="last")].reset_index(drop=True)
 
 
-def every_prediction(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
-    """Every predicted row under results_dir (of one matrix, if given), the old ones too, oldest first."""
+def every_prediction(results_dir: Path, matrix: str | None = None,
+                     cell_ids: Collection[str] | None = None) -> pd.DataFrame:
+    """Every predicted row under results_dir (of one matrix, if given; of these cells, if given: converting
+    thousands of rows to the schema takes seconds, a few dozen none), the old ones too, oldest first."""
     pattern = f"{matrix}/predicted/*.parquet" if matrix else "*/predicted/*.parquet"
-    frames = [results.read_parquet(p, results.PREDICTED) for p in sorted(results_dir.glob(pattern))]
+    paths = sorted(results_dir.glob(pattern))
+    if cell_ids is not None:
+        paths = [p for p in paths if results.holds_cells(p, cell_ids)]
+    frames = [results.read_parquet(p, results.PREDICTED, cell_ids) for p in paths]
     if not frames:
         return results.to_frame([], results.PREDICTED)
     return pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable").reset_index(drop=True)
@@ -265,8 +275,9 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     if of is None:
         return Record(kind, ())
     measured = measured_gpu_cells(results_dir)
-    now = pairs(measured, predictions(results_dir, every_software=True))
-    before = pairs(measured, every_prediction(results_dir), made_before_run=True)
+    every = every_prediction(results_dir, cell_ids=set(measured["cell_id"]))  # pairs need no other cell's
+    now = pairs(measured, newest(every, every_software=True))
+    before = pairs(measured, every, made_before_run=True)
 
     def alike(both: pd.DataFrame) -> tuple[float, ...]:
         if both.empty:
@@ -436,8 +447,8 @@ def _signed(x: object) -> str:
 
 def publish(results_dir: Path) -> Path:
     path = results_dir / "PREDICTION.md"
-    path.write_text(markdown(measured_gpu_cells(results_dir), predictions(results_dir, every_software=True),
-                             every_prediction(results_dir)))
+    every = every_prediction(results_dir)
+    path.write_text(markdown(measured_gpu_cells(results_dir), newest(every, every_software=True), every))
     return path
 
 
