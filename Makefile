@@ -90,7 +90,9 @@ versions-env:
 	python3 -m venv .venv-$(VERSIONS)
 	.venv-$(VERSIONS)/bin/python -m pip install -q --upgrade pip
 	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt torch
-	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt -e ".[dev,bnb,liger]"
+	# every package a stack needs, as `make install` has them: without one, its cells are predicted `unsupported`
+	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt -e ".[dev,bnb,liger,torchao,lowrank,cce]"
+	DS_BUILD_OPS=0 .venv-$(VERSIONS)/bin/python -m pip install -q --no-build-isolation -c versions/$(VERSIONS).txt "deepspeed>=0.16"
 
 regress:
 	$(REGRESS_PY) -m bench run regress --run-id $(REGRESS_RUN) $(ARGS)
