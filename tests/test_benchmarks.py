@@ -16,7 +16,7 @@ from conftest import REPO
 @pytest.mark.timeout(300)
 def test_matrix_benchmark_module_on_a_tiny_cell(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/test_matrix_benchmark.py",
                            "--bench-matrix", "smoke", "--bench-only", "tiny-qwen2_s256_b1_gc+lora_*",
                            f"--benchmark-json={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
