@@ -4,7 +4,7 @@ Every answer says how its kind of prediction did against the published GPU cells
 the measured cells' predictions, out of every published predicted table. Those tables grow with every
 prediction run (166 files, 7,049 rows on 2026-11-28). Reading each whole, twice, and converting every row to
 the schema took a median 9.7 s of each answer; reading the measured cells' rows alone, once, 2.2 s (this
-benchmark, 3 rounds, on a 2-core AMD EPYC beside two prediction runs, torch 2.13.0).
+benchmark, 3 rounds, on a 2-core Intel Xeon beside a prediction run, torch 2.13.0).
 
     pytest benchmarks/test_ask_record_benchmark.py      # on the published results/
 """
