@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import math
 import os
 import re
@@ -342,7 +343,21 @@ def cmd_site(args: argparse.Namespace) -> int:
     return 0
 
 
+# Warnings optional libraries log as a fake run imports them, about kernels a fake run never calls. They came
+# first in every answer, and read as the prediction's own failure ("Failed to load ..."): bitsandbytes' CPU 4-bit
+# matmul kernel missing (a CPU with AVX512-BF16), torchao's CUDA extensions not loading on a CPU, torch's
+# deprecation of torchao's Enum registrations.
+IMPORT_NOISE = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
+
+
+def _fake_runs_ahead() -> None:
+    """Before a command's fake runs: the loggers of IMPORT_NOISE quiet but for errors."""
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
+    _fake_runs_ahead()
     matrix = spec.get(args.matrix_file, args.matrix)
     gpu = _gpu_kind(args.gpu)
     if args.jobs < 1 or any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
@@ -379,6 +394,7 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    _fake_runs_ahead()
     model = args.model
     if model.endswith(".json") or Path(model).is_file():
         try:
@@ -465,6 +481,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[spec.MatrixSpec, fit.FitPlan]:
 
 def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.FitPlan) -> int:
     """The frontier from predictions alone, on any machine: each probe a fake run."""
+    _fake_runs_ahead()
     gpu = dataclasses.replace(_gpu_kind(args.gpu), budgets_gib=plan.budgets_gib)  # each prediction replayed within each
     on_gpu = dataclasses.replace(matrix, device="cuda")
     run_id = args.run_id or f"fit-{matrix.name}-predicted-{gpu.key}-{dt.datetime.now(dt.UTC):%Y%m%d}"

@@ -4,6 +4,7 @@ the same settings."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -238,3 +239,21 @@ def test_a_zero_cell_is_answered_as_a_hybrid_with_its_host(tmp_path: Path, capsy
     assert "(hybrid/" in out and "DeepSpeed's model states as its engine makes them (its bucket 0.93 GiB)" in out
     assert "weights 0.00" not in out
     assert "DeepSpeed's offloaded states (pinned and pageable) and worker processes" in out
+
+
+def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls(caplog: pytest.LogCaptureFixture) -> None:
+    """`bench ask`, `predict` and `fit --predict` quiet the warnings optional libraries log as a fake run imports them
+    (bitsandbytes' missing CPU kernel, torchao's CUDA extensions on a CPU): they came first in every answer. Their
+    errors still show."""
+    loggers = [logging.getLogger(name) for name in cli.IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    try:
+        cli._fake_runs_ahead()
+        with caplog.at_level(logging.WARNING):
+            for logger in loggers:
+                logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community")
+            logging.getLogger("torchao").error("an error still shows")
+        assert [record.getMessage() for record in caplog.records] == ["an error still shows"]
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
