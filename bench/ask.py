@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from . import envinfo, fit, results, spec
+from . import envinfo, fit, models, results, spec
 from .cells import Cell
 from .predict import gpus
 from .predict import report as predict_report
@@ -163,8 +163,10 @@ def _record_lines(a: Answer) -> list[str]:
     if not r.reserved_errors:
         return [f"  its kind's record: no published GPU cell predicted as this one ({r.kind}) checks it yet"]
     low, high = min(r.reserved_errors), max(r.reserved_errors)
+    of_models = f"{', '.join(r.models)}; " if r.models else ""
     line = (f"  its kind's record: peak reserved predicted {low:+.2%} to {high:+.2%} of measured on the "
-            f"{len(r.reserved_errors)} published GPU cells predicted as this one ({r.kind}; results/PREDICTION.md)")
+            f"{len(r.reserved_errors)} published GPU cells predicted as this one ({r.kind}; {of_models}"
+            "results/PREDICTION.md)")
     if r.reserved_errors_before_run:
         before = r.reserved_errors_before_run
         line += (f"; predicted before a GPU ran them, by the methods of the time: {min(before):+.2%} to "
@@ -175,7 +177,19 @@ def _record_lines(a: Answer) -> list[str]:
         if miss_gib > headroom:
             line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
                      f"{headroom:.2f} GiB to spare: measure before relying on it")
-    return [line]
+    return [line, *_architecture_unchecked(a.cell.model, r.models)]
+
+
+def _architecture_unchecked(model: str, checked: tuple[str, ...]) -> list[str]:
+    """A line where no cell of the record is of the model's architecture (its config's model_type): the
+    record is of other models' ops (a mixture of experts' grouped matmuls, another attention), so it says
+    little of how this one is predicted."""
+    kinds = {models.get(name).hf_fields["model_type"] for name in checked if name in models.registry()}
+    mine = models.get(model).hf_fields["model_type"]
+    if not kinds or mine in kinds:
+        return []
+    return [f"  none of those cells is a {mine} model ({', '.join(sorted(kinds))} only): how predictions of this "
+            "architecture fare on a GPU is not measured yet"]
 
 
 def _ranks(count: int) -> str:
@@ -379,5 +393,6 @@ def as_json(a: Answer) -> str:
                        "measured": list(a.measured),
                        "record": None if a.record is None else {
                            "kind": a.record.kind, "reserved_errors": list(a.record.reserved_errors),
-                           "reserved_errors_before_run": list(a.record.reserved_errors_before_run)}},
+                           "reserved_errors_before_run": list(a.record.reserved_errors_before_run),
+                           "models": list(a.record.models)}},
                       default=str, indent=1)

@@ -168,6 +168,7 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
     assert len(predict_report.record(tmp_path, "hybrid/18", 1, offload=False).reserved_errors) == len(zero) - len(offloaded)
     assert predict_report.record(tmp_path, "fake-run/10", 8, offload=False).reserved_errors == ()  # no 8-GPU cell
     assert with_offload.reserved_errors_before_run == ()  # these predictions were made after the GPU ran the cells
+    assert with_offload.models == ("llama-3.2-3b",)  # the models of the cells behind the record
     early = pd.read_parquet(tmp_path / "llama3b" / "predicted" / "llama3b-predicted-h200-torch211-20261128.parquet")
     early = early.assign(run_id="early", started_at="2000-01-01T00:00:00+00:00",
                          peak_reserved_gib=early["peak_reserved_gib"] * 1.1)  # 10% over what the newer ones say
@@ -191,6 +192,23 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
             "time: -6.23% to +3.19% on 3") in earlier
     unchecked = ask.text(replace(_answer(**row, headroom_gib=5.0), record=predict_report.Record("k", ())))
     assert "no published GPU cell predicted as this one (k) checks it yet" in unchecked
+
+
+def test_a_record_of_other_architectures_says_this_ones_predictions_are_not_checked_on_a_gpu() -> None:
+    """The record names its cells' models; an answer for a model whose architecture (config model_type) none
+    of them has says that the record does not speak for it, one of the same architecture does not."""
+    from bench.predict import report as predict_report
+
+    record = predict_report.Record("one rank, fake run, without offload", (-0.0006, 0.0024),
+                                   models=("llama-3.2-1b", "llama-3.2-3b"))
+    row = {"peak_phase": "measure/backward", "peak_reserved_gib": 1.0, "predict_s": 1.0, "fits": True}
+    llama = ask.text(replace(_answer(**row), record=record))
+    assert "(one rank, fake run, without offload; llama-3.2-1b, llama-3.2-3b; results/PREDICTION.md)" in llama
+    assert "none of those cells" not in llama
+    cell, _ = ask.cell_for(ask.Question("tiny-qwen2", 64, 1))
+    qwen = ask.text(replace(_answer(**row), cell=cell, record=record))
+    assert ("none of those cells is a qwen2 model (llama only): how predictions of this architecture fare on a GPU "
+            "is not measured yet") in qwen
 
 
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(

@@ -260,11 +260,13 @@ class Record:
     - measured over measured; and the errors of that kind's predictions made before a GPU ran their cells
     (by the methods of the time: a new cell's prediction is one too). Offload sets a kind apart: with it,
     host-device copies and the frees that wait on them are where the hybrid's peak reserved misses most
-    (PREDICTION.md)."""
+    (PREDICTION.md). `models`: the models of the cells behind `reserved_errors` (a record is of them: a cell
+    of another architecture runs ops none of them ran)."""
 
     kind: str
     reserved_errors: tuple[float, ...]
     reserved_errors_before_run: tuple[float, ...] = ()
+    models: tuple[str, ...] = ()
 
 
 def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
@@ -279,13 +281,17 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     now = pairs(measured, newest(every, every_software=True))
     before = pairs(measured, every, made_before_run=True)
 
-    def alike(both: pd.DataFrame) -> tuple[float, ...]:
+    def alike(both: pd.DataFrame) -> pd.DataFrame:
+        """The pairs predicted as this one is, with a reserved error."""
         if both.empty:
-            return ()
-        errors = both[of(both) & (both["host_peak_gib"].notna() == offload)]["reserved_error_frac"].dropna()
-        return tuple(float(e) for e in errors)
+            return both
+        same = both[of(both) & (both["host_peak_gib"].notna() == offload)]
+        return same[same["reserved_error_frac"].notna()]
 
-    return Record(kind, alike(now), alike(before))
+    checked, checked_before = alike(now), alike(before)
+    return Record(kind, tuple(map(float, checked.get("reserved_error_frac", ()))),
+                  tuple(map(float, checked_before.get("reserved_error_frac", ()))),
+                  tuple(sorted(set(checked.get("model", ())))))
 
 
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
