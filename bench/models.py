@@ -62,6 +62,13 @@ def register_file(path: Path) -> str:
         raise ValueError(f"{path}: not a readable config.json ({err})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise ValueError(f"{path}: a model's config.json is a JSON object with a 'model_type'")
+    if raw.get("quantization_config") is not None:
+        raise ValueError(f"{path}: {_prequantized(raw['quantization_config'])}")
+    if isinstance(raw.get("text_config"), dict):
+        text_type = raw["text_config"].get("model_type", "?")
+        raise ValueError(f"{path}: a multimodal model's config (model_type {raw['model_type']!r} with a text_config): the "
+                         "suite trains causal LMs on text; save its text_config as a config.json of its own (model_type "
+                         f"{text_type!r}) to ask about its language model, whose memory excludes the other towers' weights")
     stem = path.parent.name if path.name == "config.json" else path.stem
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
     fields = {k: v for k, v in raw.items() if k not in _OUR_KEYS}
@@ -76,6 +83,15 @@ def register_file(path: Path) -> str:
         raise ValueError(f"{path}: the registry's model {name!r} has another config; rename the file or folder")
     registry()[name] = spec
     return name
+
+
+def _prequantized(quantization: Any) -> str:
+    """Why a pre-quantized checkpoint's config is refused: transformers applies its quantization only when
+    loading the checkpoint, so a build from the config would be the bf16 model, silently not the one asked."""
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+    return (f"the config of a pre-quantized checkpoint (quantization_config, quant_method {method!r}): the suite "
+            "builds a model from its config in bf16 and quantizes it only by a stack's technique (qlora, int8_lora); "
+            "delete the key to ask about the model in bf16")
 
 
 # The flag of transformers' model classes that says an attention implementation is there (eager always is).

@@ -93,6 +93,10 @@ def test_any_models_config_json_can_be_asked_about(tmp_path: Path, capsys: pytes
     ("not json", "not a readable config.json"),
     ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),
     ('{"model_type": "no_such_model_type"}', "transformers cannot build this config: Unrecognized model identifier"),
+    ('{"model_type": "llama", "quantization_config": {"quant_method": "fp8"}}',
+     "the config of a pre-quantized checkpoint (quantization_config, quant_method 'fp8')"),
+    ('{"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "vision_config": {}}',
+     "a multimodal model's config (model_type 'gemma3' with a text_config)"),
 ])
 def test_a_config_file_that_is_not_a_model_is_exit_2_naming_the_problem(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str) -> None:
