@@ -10,6 +10,10 @@ Visible choices (peft's defaults, stated rather than hidden): adapters in fp32
 `all-linear` or module names joined by `|` (`q_proj|v_proj`): a name adapts every module whose name is
 it or ends in `.name`, as peft matches a list (peft would read a bare string as a regular expression
 matched against the whole module path, so `q_proj` alone would match nothing).
+On a mixture of experts, whose experts transformers 5 fuses into 3-D parameters per layer, peft 0.21's
+`all-linear` adapts every expert as well: Qwen3-30B-A3B at r=16 trains 0.997 B parameters, 0.981 B of them
+in the experts (counted on the meta device, transformers 5.24.0, peft 0.21.2), about 11 GiB of fp32
+gradients and AdamW moments; `targets=q_proj|k_proj|v_proj|o_proj` adapts the attention alone.
 """
 
 from __future__ import annotations
