@@ -102,13 +102,19 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
     assert counter.host_bytes == 4 * mib and counter.host_peak_bytes == 7 * mib
 
 
-@pytest.mark.parametrize("stack", ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum", "padding",
-                                   "packing", "eager_attention", "adamw(impl=foreach)", "qlora", "gc + qlora",
-                                   "galore(rank=8)", "apollo(rank=8)", "apollo(rank=1, scale_type=tensor)"])
-def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
+@pytest.mark.parametrize(("model", "stack"), [
+    *(("tiny-llama", stack) for stack in ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum",
+                                          "padding", "packing", "eager_attention", "adamw(impl=foreach)", "qlora",
+                                          "gc + qlora", "galore(rank=8)", "apollo(rank=8)",
+                                          "apollo(rank=1, scale_type=tensor)"]),
+    *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora"]),
+])
+def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> None:
     """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
-    (the real run's model is built on the CPU under the counter), the same roles at the peak."""
-    cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    (the real run's model is built on the CPU under the counter), the same roles at the peak. A mixture of
+    experts too (tiny OLMoE: transformers' fused experts routed top-k, peft adapting each expert under
+    all-linear): its routing's data-dependent indices run on fake tensors as on real ones."""
+    cell = make_cell(SMOKE, "cpu", model, 64, 2, parse_stack(stack))
     fake_counter, fake_built, fake_state = fake.counted_run(cell, Workspaces())
     real_counter, real_built, real_state = fake.counted_run(cell, Workspaces(), fake=False)
     assert fake_built.weights_gib == real_built.weights_gib  # built on meta as on the CPU (adapter dtypes too)
@@ -117,6 +123,7 @@ def test_the_fake_run_counts_what_a_real_run_counts(stack: str) -> None:
     assert set(steps) >= {"first_step/forward", "first_step/backward", "first_step/optimizer", "measure/forward"}
     assert fake_counter.breakdown(fake_counter.peak) == real_counter.breakdown(real_counter.peak)
     assert fake_state == real_state > 0
+
 
 
 
