@@ -50,16 +50,33 @@ def flops_per_token(model: Any, seq_len: int) -> float:
     """6 * N_matmul + 12 * L * H * head_dim * T (the PaLM / torchtitan convention).
 
     N_matmul counts every parameter except the input embedding (a lookup, not a matmul); a tied
-    lm_head is counted once, since its matmul runs although its weight is the embedding's.
-    The second term is attention's score and value matmuls at sequence length T.
+    lm_head is counted once, since its matmul runs although its weight is the embedding's. In a
+    mixture of experts a token runs only the experts it is routed to: a routed expert's parameters
+    count at that share (`_active_share`). The second term is attention's score and value matmuls at
+    sequence length T.
     """
     cfg = model.config
-    n_total = sum(p.numel() for p in model.parameters())
+    n_total = sum(p.numel() * _active_share(name, cfg) for name, p in model.named_parameters())
     n_embedding = model.get_input_embeddings().weight.numel()
     tied_head = model.get_output_embeddings().weight.numel() if cfg.tie_word_embeddings else 0
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
     return 6 * (n_total - n_embedding + tied_head) + attention
+
+
+# The config keys of a mixture of experts: how many routed experts a layer has, and how many run a token.
+_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _active_share(name: str, cfg: Any) -> float:
+    """The share of a parameter's weights a token runs: num_experts_per_tok / experts for the routed
+    experts (transformers 5 fuses a layer's experts into one parameter under `.experts.`, and peft's
+    adapters of them sit there too; a shared expert, `shared_experts`, runs every token), else 1."""
+    experts = next((getattr(cfg, key) for key in _EXPERTS_KEYS if getattr(cfg, key, None)), None)
+    active = getattr(cfg, "num_experts_per_tok", None)
+    if not experts or not active or ".experts." not in f".{name}":
+        return 1.0
+    return active / experts
 
 
 def host_rss_peak_gib() -> float:

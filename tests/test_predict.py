@@ -1710,6 +1710,28 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
     assert liger["status"] == "ok" and liger["step_tflop"] is None  # its matmuls run in Triton: not counted
 
 
+def test_a_mixture_of_experts_counts_its_grouped_matmuls_flops(tmp_path: Path) -> None:
+    """Its experts run by grouped matmuls, which torch's FLOP registry has no formula for. tiny OLMoE routes each
+    of 128 tokens to 2 of 8 experts (256 rows): halving the experts' width takes 3 x 6 x rows x hidden x width/2 a
+    layer (forward, input and weight gradients of gate, up and down); with 2 experts of 2 the step runs the same
+    expert FLOPs and differs by the router's matmuls alone (3 x 2 x tokens x hidden x experts)."""
+    base = models.get("tiny-olmoe").hf_fields
+    hidden, width, layers, tokens = base["hidden_size"], base["intermediate_size"], base["num_hidden_layers"], 64 * 2
+    h100 = gpus.get("h100")
+
+    def step_flops(**change: int) -> float:
+        folder = tmp_path / "_".join(f"{k}{v}" for k, v in change.items())
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**base, **change}))
+        cell = make_cell(SMOKE, "cuda", models.register_file(folder / "config.json"), 64, 2, parse_stack("baseline"))
+        return fake.predict_cell(cell, h100)["step_tflop"] * 1e12
+
+    routed = step_flops(num_experts=8)
+    assert routed - step_flops(num_experts=8, intermediate_size=width // 2) == pytest.approx(
+        3 * 6 * (tokens * 2) * hidden * (width // 2) * layers, rel=1e-9)
+    assert routed - step_flops(num_experts=2) == pytest.approx(3 * 2 * tokens * hidden * (8 - 2) * layers, rel=1e-9)
+
+
 def test_a_threads_cublas_workspace_is_taken_after_its_first_gemms_output() -> None:
     """As the H200's traces order them (tools/cell_trace.py compare): at::mm allocates its output, then its
     GEMM takes the thread's cuBLAS handle and the handle's workspace; the thread's next GEMM takes none."""

@@ -45,6 +45,35 @@ def test_mfu_is_derived_from_the_gpu_name() -> None:
     assert results.derive({**row, "device": "cpu"}).get("mfu") is None
 
 
+def test_a_mixture_of_experts_counts_the_flops_of_the_experts_a_token_runs(tmp_path: Path) -> None:
+    """A token runs num_experts_per_tok of a layer's experts: tiny OLMoE routing each token to 2 of 8
+    experts counts what it counts with 2 experts of 2 (every expert run), less the larger router's
+    matmul; a dense model (tiny-llama) counts every parameter but the input embedding."""
+    import json
+
+    import torch
+
+    from bench import models
+
+    def meta_model(name: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(models.hf_config(models.get(name), "sdpa"))
+
+    config = {**models.get("tiny-olmoe").hf_fields, "num_experts": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    every_expert = meta_model(models.register_file(tmp_path / "config.json"))
+    routed = meta_model("tiny-olmoe")
+    hidden, layers, router_extra = config["hidden_size"], config["num_hidden_layers"], 8 - 2
+    assert measure.flops_per_token(routed, 64) == measure.flops_per_token(every_expert, 64) + 6 * router_extra * hidden * layers
+    llama = meta_model("tiny-llama")
+    matmul_params = sum(p.numel() for p in llama.parameters()) - llama.get_input_embeddings().weight.numel()
+    dense = models.get("tiny-llama").hf_fields
+    attention = 12 * dense["num_hidden_layers"] * dense["num_attention_heads"] * dense["head_dim"] * 64
+    assert measure.flops_per_token(llama, 64) == 6 * matmul_params + attention
+
+
 def test_step_time_stats() -> None:
     stats = measure.step_time_stats([0.1, 0.1, 0.1, 0.1])
     assert stats["step_ms_p50"] == pytest.approx(100.0) and stats["step_time_cv"] == pytest.approx(0.0)

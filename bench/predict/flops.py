@@ -1,5 +1,6 @@
 """The FLOPs of a step as the dispatcher runs it, by torch's own formulas (torch.utils.flop_counter's
-registry: matmuls, attention, convolutions; element-wise ops count nothing). Recomputation under
+registry: matmuls, attention, convolutions; element-wise ops count nothing), and the grouped matmul
+a mixture of experts runs its experts by, which that registry lacks. Recomputation under
 activation checkpointing runs through the dispatcher again, so it is counted: what a checkpointing
 policy costs in compute.
 
@@ -15,6 +16,19 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """A grouped matmul's FLOPs (torch's registry has no formula for it): a mixture of experts runs its
+    experts by it, each routed row through its expert's weight. 2-D by 3-D (the rows by every expert's
+    weight, forward and the input's gradient) and 2-D by 2-D (the weights' gradient, the rows split among
+    the experts): 2 x rows x in x out over all the groups; 3-D by 3-D: a batch of matmuls; 3-D by 2-D:
+    one matrix of rows by the groups' weights side by side."""
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * b[-1]
+    if len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[1] * a[2] * b[1]
+
+
 class FlopCount(TorchDispatchMode):
     """While inside: `flops` sums the floating-point operations of every op with a known formula."""
 
@@ -27,6 +41,9 @@ class FlopCount(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.name() == "aten::_grouped_mm":
+            self.flops += grouped_mm_flops(tuple(args[0].shape), tuple(args[1].shape))
+            return out
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
