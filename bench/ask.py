@@ -188,8 +188,13 @@ def _architecture_unchecked(model: str, checked: tuple[str, ...]) -> list[str]:
     mine = models.get(model).hf_fields["model_type"]
     if not kinds or mine in kinds:
         return []
-    return [f"  none of those cells is a {mine} model ({', '.join(sorted(kinds))} only): how predictions of this "
-            "architecture fare on a GPU is not measured yet"]
+    return [f"  none of those cells has this model's architecture (model_type {mine}; theirs: {', '.join(sorted(kinds))}): "
+            "how predictions of it fare on a GPU is not measured yet"]
+
+
+def _millions(count: int) -> str:
+    """A parameter count, aligned with the GiB figures above it."""
+    return f"{count / 1e9:8.2f} B" if count >= 1e9 else f"{count / 1e6:8.1f} M"
 
 
 def _ranks(count: int) -> str:
@@ -231,6 +236,9 @@ def _predicted_lines(a: Answer) -> list[str]:
     else:
         at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
         lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
+    if p.get("trainable_params"):  # what the stack trains: LoRA on a mixture of experts adapts every expert
+        lines.append(f"  trainable       {_millions(p['trainable_params'])} parameters, each with its gradient and "
+                     "optimizer state")
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
         lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  {held} and worker processes")

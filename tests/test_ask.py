@@ -149,6 +149,15 @@ def test_a_paged_optimizers_managed_state_is_said_apart_from_what_torch_reserves
     assert "paged state" not in plain and "whole device" in plain
 
 
+def test_an_answer_says_how_many_parameters_the_stack_trains() -> None:
+    """LoRA on every linear layer of a mixture of experts adapts each expert: the count shows it."""
+    row = {"peak_phase": "measure/backward", "peak_reserved_gib": 12.0, "predict_s": 1.0, "fits": True}
+    lora = ask.text(_answer(**row, trainable_params=189_284_352))
+    assert "  trainable          189.3 M parameters, each with its gradient and optimizer state" in lora
+    assert "  trainable           6.92 B parameters" in ask.text(_answer(**row, trainable_params=6_919_161_856))
+    assert "trainable " not in ask.text(_answer(**row))  # not known: no line
+
+
 def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_where_its_worst_miss_exceeds_the_spare(
         tmp_path: Path) -> None:
     """The record: the published GPU cells predicted by the same method, with offload or without as the
@@ -211,8 +220,8 @@ def test_a_record_of_other_architectures_says_this_ones_predictions_are_not_chec
     assert "none of those cells" not in llama
     cell, _ = ask.cell_for(ask.Question("tiny-qwen2", 64, 1))
     qwen = ask.text(replace(_answer(**row), cell=cell, record=record))
-    assert ("none of those cells is a qwen2 model (llama only): how predictions of this architecture fare on a GPU "
-            "is not measured yet") in qwen
+    assert ("none of those cells has this model's architecture (model_type qwen2; theirs: llama): how predictions of "
+            "it fare on a GPU is not measured yet") in qwen
 
 
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(
