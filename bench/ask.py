@@ -177,19 +177,23 @@ def _record_lines(a: Answer) -> list[str]:
         if miss_gib > headroom:
             line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
                      f"{headroom:.2f} GiB to spare: measure before relying on it")
-    return [line, *_architecture_unchecked(a.cell.model, r.models)]
+    return [line, *_unlike_the_record(a.cell, r)]
 
 
-def _architecture_unchecked(model: str, checked: tuple[str, ...]) -> list[str]:
-    """A line where no cell of the record is of the model's architecture (its config's model_type): the
-    record is of other models' ops (a mixture of experts' grouped matmuls, another attention), so it says
-    little of how this one is predicted."""
-    kinds = {models.get(name).hf_fields["model_type"] for name in checked if name in models.registry()}
-    mine = models.get(model).hf_fields["model_type"]
-    if not kinds or mine in kinds:
-        return []
-    return [f"  none of those cells has this model's architecture (model_type {mine}; theirs: {', '.join(sorted(kinds))}): "
-            "how predictions of it fare on a GPU is not measured yet"]
+def _unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
+    """A line for each way no cell of the record is like this one, so that the record says little of how
+    it is predicted: another architecture (its config's model_type: other ops, a mixture of experts' grouped
+    matmuls, another attention), another number of ranks (other collectives and buffers)."""
+    lines = []
+    kinds = {models.get(name).hf_fields["model_type"] for name in r.models if name in models.registry()}
+    mine = models.get(cell.model).hf_fields["model_type"]
+    if kinds and mine not in kinds:
+        lines.append(f"  none of those cells has this model's architecture (model_type {mine}; theirs: "
+                     f"{', '.join(sorted(kinds))}): how predictions of it fare on a GPU is not measured yet")
+    if r.gpus and cell.gpus not in r.gpus:
+        lines.append(f"  none of those cells ran on {cell.gpus} GPUs (theirs: {', '.join(map(str, r.gpus))}): how "
+                     "predictions at this many ranks fare is not measured yet")
+    return lines
 
 
 def _millions(count: int) -> str:
@@ -402,5 +406,5 @@ def as_json(a: Answer) -> str:
                        "record": None if a.record is None else {
                            "kind": a.record.kind, "reserved_errors": list(a.record.reserved_errors),
                            "reserved_errors_before_run": list(a.record.reserved_errors_before_run),
-                           "models": list(a.record.models)}},
+                           "models": list(a.record.models), "gpus": list(a.record.gpus)}},
                       default=str, indent=1)

@@ -181,7 +181,7 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
     assert len(predict_report.record(tmp_path, "hybrid/18", 1, offload=False).reserved_errors) == len(zero) - len(offloaded)
     assert predict_report.record(tmp_path, "fake-run/10", 8, offload=False).reserved_errors == ()  # no 8-GPU cell
     assert with_offload.reserved_errors_before_run == ()  # these predictions were made after the GPU ran the cells
-    assert with_offload.models == ("llama-3.2-3b",)  # the models of the cells behind the record
+    assert with_offload.models == ("llama-3.2-3b",) and with_offload.gpus == (1,)  # the cells behind the record
     early = pd.read_parquet(tmp_path / "llama3b" / "predicted" / "llama3b-predicted-h200-torch211-20261128.parquet")
     early = early.assign(run_id="early", started_at="2000-01-01T00:00:00+00:00",
                          peak_reserved_gib=early["peak_reserved_gib"] * 1.1)  # 10% over what the newer ones say
@@ -207,9 +207,10 @@ def test_an_answer_gives_the_record_of_the_cells_predicted_as_it_is_and_warns_wh
     assert "no published GPU cell predicted as this one (k) checks it yet" in unchecked
 
 
-def test_a_record_of_other_architectures_says_this_ones_predictions_are_not_checked_on_a_gpu() -> None:
+def test_a_record_of_other_architectures_or_ranks_says_this_ones_predictions_are_not_checked_on_a_gpu() -> None:
     """The record names its cells' models; an answer for a model whose architecture (config model_type) none
-    of them has says that the record does not speak for it, one of the same architecture does not."""
+    of them has says that the record does not speak for it, one of the same architecture does not; and so for
+    a cell on more ranks than any of the record's ran on."""
     from bench.predict import report as predict_report
 
     record = predict_report.Record("one rank, fake run, without offload", (-0.0006, 0.0024),
@@ -222,6 +223,12 @@ def test_a_record_of_other_architectures_says_this_ones_predictions_are_not_chec
     qwen = ask.text(replace(_answer(**row), cell=cell, record=record))
     assert ("none of those cells has this model's architecture (model_type qwen2; theirs: llama): how predictions of "
             "it fare on a GPU is not measured yet") in qwen
+    assert "ran on" not in qwen  # the record's ranks unknown: nothing said of them
+    one_gpu = replace(record, gpus=(1,))
+    assert "none of those cells ran on" not in ask.text(replace(_answer(**row), record=one_gpu))
+    eight, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, "zero3", gpus=8))
+    assert ("none of those cells ran on 8 GPUs (theirs: 1): how predictions at this many ranks fare is not measured "
+            "yet") in ask.text(replace(_answer(**row), cell=eight, record=one_gpu))
 
 
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(

@@ -260,13 +260,15 @@ class Record:
     - measured over measured; and the errors of that kind's predictions made before a GPU ran their cells
     (by the methods of the time: a new cell's prediction is one too). Offload sets a kind apart: with it,
     host-device copies and the frees that wait on them are where the hybrid's peak reserved misses most
-    (PREDICTION.md). `models`: the models of the cells behind `reserved_errors` (a record is of them: a cell
-    of another architecture runs ops none of them ran)."""
+    (PREDICTION.md). `models` and `gpus`: the models and rank counts of the cells behind `reserved_errors` (a
+    record is of them: a cell of another architecture runs ops none of them ran, one on more ranks other
+    collectives and buffers)."""
 
     kind: str
     reserved_errors: tuple[float, ...]
     reserved_errors_before_run: tuple[float, ...] = ()
     models: tuple[str, ...] = ()
+    gpus: tuple[int, ...] = ()
 
 
 def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
@@ -291,7 +293,7 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     checked, checked_before = alike(now), alike(before)
     return Record(kind, tuple(map(float, checked.get("reserved_error_frac", ()))),
                   tuple(map(float, checked_before.get("reserved_error_frac", ()))),
-                  tuple(sorted(set(checked.get("model", ())))))
+                  tuple(sorted(set(checked.get("model", ())))), tuple(sorted({int(g) for g in checked.get("gpus", ())})))
 
 
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
