@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from . import fit, peers, results
-from .views import gib, rate
+from .views import code_cell, gib, rate
 
 
 def publish(summary: list[dict], probe_rows: list[dict], out_dir: Path, run_id: str) -> Path:
@@ -109,12 +109,12 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame, foretold: Foretold | N
                   "|---|---|---|---|---|---|---|---|---|---|"]
         fits = group[group["largest_ok"].notna()].sort_values("tokens_per_s", ascending=False)
         for rank, (_, r) in enumerate(fits.iterrows(), 1):
-            lines.append(f"| {rank} | {r['model']} | `{r['stack']}` | {int(r['largest_ok'])} | {before(r)} | "
+            lines.append(f"| {rank} | {r['model']} | {code_cell(r['stack'])} | {int(r['largest_ok'])} | {before(r)} | "
                          f"{rate(r['tokens_per_s'])} | {_gib(r['nvml_peak_gib'])} | {_headroom(budget, r['nvml_peak_gib'])} | "
                          f"{_int(r['smallest_oom'])} | {r['probes']} |")
         for _, r in group[group["largest_ok"].isna()].iterrows():
-            lines.append(f"| — | {r['model']} | `{r['stack']}` | does not fit | {before(r)} | | | | {_int(r['smallest_oom'])} | "
-                         f"{r['probes']} |" + (f" {r['stopped']}" if r["stopped"] else ""))
+            lines.append(f"| — | {r['model']} | {code_cell(r['stack'])} | does not fit | {before(r)} | | | | "
+                         f"{_int(r['smallest_oom'])} | {r['probes']} |" + (f" {r['stopped']}" if r["stopped"] else ""))
         lines.append("")
     seq = summary[summary["axis"] == "seq"]
     if len(seq):
@@ -122,8 +122,8 @@ def markdown(summary: pd.DataFrame, probes: pd.DataFrame, foretold: Foretold | N
                   "| budget GiB | model | stack | longest seq | predicted before | smallest OOM seq | tokens/s | probes |",
                   "|---|---|---|---|---|---|---|---|"]
         for _, r in seq.sort_values(["budget_gib", "model", "stack"]).iterrows():
-            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | {before(r)} | "
-                         f"{_int(r['smallest_oom'])} | "
+            lines.append(f"| {r['budget_gib']:g} | {r['model']} | {code_cell(r['stack'])} | {_int(r['largest_ok'])} | "
+                         f"{before(r)} | {_int(r['smallest_oom'])} | "
                          f"{rate(r['tokens_per_s']) if pd.notna(r['tokens_per_s']) else ''} | {r['probes']} |")
     flagged = not_monotone(summary)
     lines += ["", *flagged] if flagged else []
@@ -145,7 +145,7 @@ def not_monotone(summary: pd.DataFrame) -> list[str]:
              "| budget GiB | model | stack | search | seen |", "|---|---|---|---|---|"]
     for _, r in flagged.sort_values(["budget_gib", "model", "stack", "axis"]).iterrows():
         search = f"batch at seq {int(r['seq_len'])}" if r["axis"] == "batch" else f"seq at batch {int(r['batch_size'])}"
-        lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {search} | {r['not_monotone']} |")
+        lines.append(f"| {r['budget_gib']:g} | {r['model']} | {code_cell(r['stack'])} | {search} | {r['not_monotone']} |")
     return [*lines, ""]
 
 
@@ -193,7 +193,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
             needed = fit.predicted_need_gib(r) if pd.notna(r.get("peak_allocated_gib")) else None
             peak = gib(needed) if needed is not None else ""
-            lines.append(f"| {r['model']} | `{r['stack']}` | {largest} | {peak} | {_headroom(budget, needed)} | "
+            lines.append(f"| {r['model']} | {code_cell(r['stack'])} | {largest} | {peak} | {_headroom(budget, needed)} | "
                          f"{_too_big(r)} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
@@ -201,7 +201,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
         lines += ["## Longest sequence at batch 1 (predicted)", "",
                   "| budget GiB | model | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|---|"]
         for _, r in seq_axis.sort_values(["budget_gib", "model", "stack"]).iterrows():
-            lines.append(f"| {r['budget_gib']:g} | {r['model']} | `{r['stack']}` | {_int(r['largest_ok'])} | "
+            lines.append(f"| {r['budget_gib']:g} | {r['model']} | {code_cell(r['stack'])} | {_int(r['largest_ok'])} | "
                          f"{_too_big(r)} |")
         lines.append("")
     lines += not_monotone(summary)
@@ -209,7 +209,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
     unsupported = predictions[predictions["status"] == "unsupported"].drop_duplicates("stack")
     if len(unsupported):
         lines += ["## Not predicted", "", "| stack | why |", "|---|---|"]
-        lines += [f"| `{r['stack']}` | {r['unsupported_reason']} |" for _, r in unsupported.iterrows()]
+        lines += [f"| {code_cell(r['stack'])} | {r['unsupported_reason']} |" for _, r in unsupported.iterrows()]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -20,7 +20,7 @@ from .predict.report import beside_measured, predictions
 from .results import STATUSES, read_parquet
 from .spec import MatrixSpec
 from .stacks import BASELINE
-from .views import PEAK_DEFINITIONS, by_cell, gib, pct, peak_column, rate, stable_peak_column
+from .views import PEAK_DEFINITIONS, by_cell, code_cell, gib, pct, peak_column, rate, stable_peak_column
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _grid(group: pd.DataFrame, mem_col: str) -> list[str]:
         cells = [_cell(sub.loc[b], mem_col) if b in sub.index else "" for b in batches]
         ok = sub[sub["status"] == "ok"]
         largest = str(max(ok.index)) if len(ok) else "none"
-        rows.append("| " + " | ".join([f"`{stack}`", *cells, largest, _vs_baseline(ok, base, mem_col, stack)]) + " |")
+        rows.append("| " + " | ".join([code_cell(stack), *cells, largest, _vs_baseline(ok, base, mem_col, stack)]) + " |")
     return rows
 
 
@@ -144,7 +144,7 @@ def _ladder(group: pd.DataFrame, rungs: tuple[str, ...], mem_col: str) -> list[s
             prev = at.loc[rungs[i - 1]]
             change = (f"mem {pct(row[mem_col] / prev[mem_col] - 1)}, "
                       f"tok/s {pct(row['tokens_per_s'] / prev['tokens_per_s'] - 1)}")
-        lines.append(f"| {i} | `{stack}` | {gib(row[mem_col])} | {rate(row['tokens_per_s'])} | {change} |")
+        lines.append(f"| {i} | {code_cell(stack)} | {gib(row[mem_col])} | {rate(row['tokens_per_s'])} | {change} |")
     return [*lines, ""]
 
 

@@ -23,7 +23,7 @@ from . import cells, results, spec
 from .envinfo import OPTIONAL_PACKAGES, HostCaps
 from .predict import gpus
 from .predict import report as predict_report
-from .views import gib
+from .views import code_cell, gib
 
 CARD = gpus.GPUS["h100"]  # the card the reports ran on (80 GB); its measured capacity
 GPU_HOST = HostCaps(cuda_devices=8, packages=frozenset(OPTIONAL_PACKAGES))  # plan every cell, skip none
@@ -147,7 +147,7 @@ def grid(sources: Sources, planned: list[cells.Cell], column: str = "peak_alloca
                   "| stack | " + " | ".join(f"b{b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
         for stack, row_cells in _groups(group, lambda c: c.stack.label):
             by_batch = {c.batch_size: sources.figure(c).cell(column) for c in row_cells}
-            lines.append(f"| `{stack}` | " + " | ".join(by_batch.get(b, "") for b in batches) + " |")
+            lines.append(f"| {code_cell(stack)} | " + " | ".join(by_batch.get(b, "") for b in batches) + " |")
         lines.append("")
     return lines
 
@@ -165,7 +165,7 @@ def timeline(sources: Sources, planned: list[cells.Cell]) -> list[str]:
         row = [mark(gib(ends[p][0])) if p in ends else "" for p in phases]
         over = next((p for p, (_, peak) in ends.items() if peak > float(CARD.memory_gib or 0)), "none")
         peak = figure.cell()
-        lines.append(f"| `{cell.stack.label}` | {cell.seq_len} | " + " | ".join(row) + f" | {peak} | "
+        lines.append(f"| {code_cell(cell.stack.label)} | {cell.seq_len} | " + " | ".join(row) + f" | {peak} | "
                      f"{over if ends else ''} |")
     return [*lines, ""]
 
@@ -371,7 +371,7 @@ def _stairs(sources: Sources, planned: list[cells.Cell]) -> list[str]:
         rises = sum(1 for x, y in itertools.pairwise(reserved) if y > x)
         mark = (lambda v: f"**{v}**") if figure.source == "measured" else (lambda v: f"*{v}*")
         retries = figure.row.get("alloc_retries") if figure.row else None
-        lines.append(f"| `{cell.stack.label}` | {cell.batch_size} | {len(reserved)} | {mark(rises)} steps | "
+        lines.append(f"| {code_cell(cell.stack.label)} | {cell.batch_size} | {len(reserved)} | {mark(rises)} steps | "
                      f"{mark(_gib(reserved[0]))} → {mark(_gib(reserved[-1]))} | "
                      f"{mark(int(retries)) if retries is not None and not pd.isna(retries) else ''} |")
     return [*lines, ""] if len(lines) > 2 else []

@@ -74,6 +74,12 @@ def by_cell(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).reset_index(drop=True)
 
 
+def code_cell(text: str) -> str:
+    """Text as code in a markdown table's cell: a `|` in it (lora's targets, q_proj|v_proj) escaped, as
+    GitHub's tables need even inside a code span, else the row splits there."""
+    return "`" + str(text).replace("|", "\\|") + "`"
+
+
 def gib(x: float) -> str:
     """Memory in GiB: two decimals below 10, one above."""
     return f"{x:.2f}" if x < 10 else f"{x:.1f}"

@@ -368,6 +368,22 @@ def test_a_measured_frontier_is_set_beside_the_one_predicted_before_it(tmp_path)
     assert "no predicted frontier of this matrix was made before it" in alone.read_text()
 
 
+def test_a_stack_with_a_pipe_keeps_its_table_row_whole(tmp_path) -> None:
+    """lora's targets are joined by `|`, which splits a markdown table's row: escaped in the cell, the row
+    keeps its columns (GitHub's tables need the escape inside a code span too)."""
+    import re
+
+    from bench import fitreport
+
+    probe = {"run_id": "m", "cell_id": "p", "matrix": "f", "device": "cpu", "status": "ok", "wall_s": 10.0,
+             "started_at": "2026-06-01T00:00:00+00:00"}
+    board = fitreport.publish([_search("lora(targets=q_proj|v_proj)", 1.0, 3)], [probe], tmp_path, "m").read_text()
+    row = next(line for line in board.splitlines() if "q_proj" in line)
+    header = board.splitlines()[board.splitlines().index(row) - 2]
+    assert "`lora(targets=q_proj\\|v_proj)`" in row
+    assert len(re.split(r"(?<!\\)\|", row)) == len(header.split("|"))
+
+
 def test_a_predicted_probe_fits_a_budget_as_its_replay_within_that_budget_says() -> None:
     """The allocator can run within a budget and not within a larger one (it releases its cache sooner):
     Llama-3.2-3B gc + offload(params=True) + zero3 at seq 2048, batch 16, on this CPU, runs within 60 GiB,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from .. import results, segments
-from ..views import by_cell
+from ..views import by_cell, code_cell
 from .gpus import GPUS
 
 GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the name NVML gives measured rows
@@ -181,7 +181,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFram
                   "reserved GiB: measured | predicted | error | peak (measured / predicted) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in both.iterrows():
-            lines.append(f"| `{r['cell_id']}` | {r['gpu_name']} | `{r['stack']}` | {r['seq_len']} | {r['batch_size']} | "
+            lines.append(f"| `{r['cell_id']}` | {r['gpu_name']} | {code_cell(r['stack'])} | {r['seq_len']} | {r['batch_size']} | "
                          f"{r['peak_allocated_gib']:.3f} | {r['peak_allocated_gib_predicted']:.3f} | {r['error_frac']:+.2%} | "
                          f"{_num(r['peak_reserved_gib'])} | {_num(r['peak_reserved_gib_predicted'])} | "
                          f"{_signed(r['reserved_error_frac'])} | "
@@ -473,7 +473,7 @@ def beside_measured(group: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     for stack, s in both.groupby("stack", sort=True):
         by_batch = s.set_index("batch_size")
         cells = [_beside(by_batch.loc[b]) if b in by_batch.index else "" for b in batches]
-        lines.append(f"| `{stack}` | " + " | ".join(cells) + " |")
+        lines.append(f"| {code_cell(stack)} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
