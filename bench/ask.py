@@ -196,7 +196,7 @@ def _unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
     return lines
 
 
-def _millions(count: int) -> str:
+def _param_count(count: int) -> str:
     """A parameter count, aligned with the GiB figures above it."""
     return f"{count / 1e9:8.2f} B" if count >= 1e9 else f"{count / 1e6:8.1f} M"
 
@@ -241,7 +241,7 @@ def _predicted_lines(a: Answer) -> list[str]:
         at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
         lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
     if p.get("trainable_params"):  # what the stack trains: LoRA on a mixture of experts adapts every expert
-        lines.append(f"  trainable       {_millions(p['trainable_params'])} parameters, each with its gradient and "
+        lines.append(f"  trainable       {_param_count(p['trainable_params'])} parameters, each with its gradient and "
                      "optimizer state")
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
