@@ -117,6 +117,19 @@ def test_the_page_is_one_file_with_everything_inlined(tmp_path: Path) -> None:
     assert 'href="#prediction"' in text
 
 
+def test_the_script_gets_the_primary_records_and_the_tables_every_record(site_data_: site_data.SiteData) -> None:
+    """An older run's measurement and a prediction a newer one replaced are in the tables, not in the data the
+    script reads (it shows each cell once per source and GPU; embedding them all made the page 24.8 MB)."""
+    text = page.render(site_data_, RESULTS, "results")
+    embedded = json.loads(re.search(r'id="site-data">(.*?)</script>', text, re.S)
+                          .group(1).replace("<\\/", "</"))
+    primaries = {c["key"] for c in site_data_.cells if c["primary"]}
+    assert len(primaries) < len(site_data_.cells)  # published runs do replace one another
+    assert {c["key"] for c in embedded["cells"]} == primaries
+    tables = text[text.index('<section id="tables">'):]
+    assert tables[:tables.index("</section>")].count("<tr><td>") == len(site_data_.cells)
+
+
 def test_a_results_folder_without_tables_is_refused(tmp_path: Path) -> None:
     from conftest import run_bench
 

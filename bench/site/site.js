@@ -3,7 +3,7 @@
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("site-data").textContent);
-const CELLS = DATA.cells;
+const CELLS = DATA.cells; // one record per cell, source and GPU: the primary ones (bench/site/page.py)
 const SVG_NS = "http://www.w3.org/2000/svg";
 // Okabe-Ito and Tableau-like colours that stay apart for colour-blind readers, times four marker shapes:
 // 40 stacks before a pair repeats.
@@ -65,7 +65,7 @@ function matches(cell) {
     return Array.isArray(value) ? value.includes(wanted) : value === wanted;
   });
 }
-function shownCells() { return CELLS.filter((c) => c.primary && matches(c)); }
+function shownCells() { return CELLS.filter(matches); }
 
 function buildFilters() {
   const form = document.getElementById("filters");
