@@ -79,9 +79,9 @@ class Sources:
     def __init__(self, results_dir: Path, matrix_file: Path):
         self.results_dir, self.matrix_file = results_dir, matrix_file
         measured = predict_report.measured_gpu_cells(results_dir)
-        # the releases the GPU runs measured under (the most common): predictions under them are shown where made,
-        # so a table's bold and italic figures come from the same code; else the newest prediction
-        self.software = predict_report.software(measured).mode().iloc[0] if len(measured) else None
+        # predictions under the GPU runs' releases are shown where made, so a table's bold and italic figures come
+        # from the same code; else the newest prediction
+        self.software = predict_report.measured_software(measured)
         # for the card the reports ran on: another card's allocator (an H200's) never retries where the H100's does
         every = predict_report.every_prediction(results_dir)
         predicted = predict_report.newest(every, prefer=self.software, gpu_kind=CARD.key)

@@ -53,13 +53,20 @@ def test_one_primary_record_per_cell_source_and_gpu(site_data_: site_data.SiteDa
 def test_predicted_cells_carry_the_error_prediction_md_reports(site_data_: site_data.SiteData) -> None:
     both = predict_report.checked(RESULTS)
     assert len(both) > 0
-    # by cell and GPU: a cell measured on two kinds of GPU has an error on each
+    # by cell and GPU: a cell measured on two kinds of GPU has an error on each; the primary prediction is the
+    # one PREDICTION.md pairs with the measurement
     expected = dict(zip(zip(both["cell_id"], both["gpu_name"], strict=True), both["reserved_error_frac"], strict=True))
-    with_error = {(c["cell_id"], c["gpu"]): c["error"] for c in site_data_.cells
-                  if c["source"] == "predicted" and c["error"] is not None}
-    assert with_error.keys() <= expected.keys()
-    for key, error in with_error.items():
-        assert error == pytest.approx(expected[key])
+    primary = {(c["cell_id"], c["gpu"]): c for c in site_data_.cells if c["source"] == "predicted" and c["primary"]}
+    assert expected.keys() <= primary.keys()
+    for key, error in expected.items():
+        assert primary[key]["error"] == pytest.approx(error), key
+    # a prediction a newer one replaced carries its own error, not the newer one's
+    measured = predict_report.measured_gpu_cells(RESULTS).set_index(["cell_id", "gpu_name"])["peak_reserved_gib"]
+    replaced = [c for c in site_data_.cells if c["source"] == "predicted" and not c["primary"] and c["error"] is not None]
+    assert any(c["error"] != pytest.approx(primary[(c["cell_id"], c["gpu"])]["error"]) for c in replaced)
+    for cell in replaced:
+        reserved = measured[(cell["cell_id"], cell["gpu"])]
+        assert cell["error"] == pytest.approx((cell["row"]["peak_reserved_gib"] - reserved) / reserved)
     summary = site_data_.predictor
     one_rank = both[both["prediction_method"].str.startswith("fake-run") & (both["gpus"] == 1)]  # the hybrid's apart
     assert summary["median_abs_error"] == pytest.approx(one_rank["reserved_error_frac"].abs().median())

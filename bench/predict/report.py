@@ -72,6 +72,12 @@ def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
     return pd.Series(labels, index=frame.index, dtype=object)
 
 
+def measured_software(measured: pd.DataFrame) -> str | None:
+    """The releases the measured GPU cells (`measured_gpu_cells`) ran under, the most common: where a cell has
+    a prediction made under them, that one is shown, so its figure and the measurement come from the same code."""
+    return str(software(measured).mode().iloc[0]) if len(measured) else None
+
+
 def measured_gpu_cells(results_dir: Path, matrix: str | None = None) -> pd.DataFrame:
     """Every published GPU cell that ran to the end, one row per cell and GPU kind: repeats on one kind
     folded; a cell measured on an H100 and on an H200 is two measurements, each its own row. Added:

@@ -14,9 +14,11 @@ computed here once so the page's script stays small:
   device peak; a prediction's smallest card (`least_card_gib`: the allocator releasing its cache and
   retrying where it must), else its device peak.
 - `error`: for a prediction of a cell also measured on its GPU, (predicted − measured) / measured
-  peak reserved.
-- `primary`: the record that stands for its cell among the runs of the same source (ok before not ok,
-  then the newest), so a cell measured by three runs is plotted once.
+  peak reserved: this prediction's own, so an older one replaced by a newer shows what it predicted.
+- `primary`: the record that stands for its cell among the runs of the same source and GPU (ok before
+  not ok; of predictions, one made under the GPU runs' releases before one made under others, as the
+  boards choose; then the newest), so a cell measured by three runs is plotted once. The primary
+  prediction of a measured cell is the one PREDICTION.md pairs with it.
 """
 
 from __future__ import annotations
@@ -87,11 +89,16 @@ def collect(results_dir: Path) -> SiteData:
         predicted = "prediction_method" in frame.columns
         for row in (frame if predicted else by_cell(frame)).to_dict("records"):
             cells.append(_record(_clean(row), "predicted" if predicted else "measured"))
-    errors, summary = _prediction_errors(results_dir)
+    measured = predict_report.measured_gpu_cells(results_dir)
+    reserved = {(cell_id, str(gpu)): float(gib) for cell_id, gpu, gib
+                in zip(measured["cell_id"], measured["gpu_name"], measured["peak_reserved_gib"], strict=True)
+                if pd.notna(gib)}
     for cell in cells:
         if cell["source"] == "predicted":
-            cell["error"] = errors.get((cell["cell_id"], cell["gpu"]))
-    _mark_primary(cells)
+            cell["error"] = _error(cell, reserved.get((cell["cell_id"], cell["gpu"])))
+    _mark_primary(cells, predict_report.measured_software(measured))
+    summary = _predictor_summary(predict_report.pairs(measured, predict_report.predictions(results_dir,
+                                                                                           every_software=True)))
     return SiteData(cells, column_definitions(), summary,
                     [str(p.relative_to(results_dir)) for p in tables])
 
@@ -139,32 +146,42 @@ def _record(row: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def _mark_primary(cells: list[dict[str, Any]]) -> None:
+def _error(cell: dict[str, Any], measured_reserved_gib: float | None) -> float | None:
+    """A prediction's (predicted − measured) / measured peak reserved, where its cell was measured on its GPU."""
+    predicted_gib = cell["row"].get("peak_reserved_gib")
+    if cell["status"] != "ok" or predicted_gib is None or not measured_reserved_gib:
+        return None
+    return (predicted_gib - measured_reserved_gib) / measured_reserved_gib
+
+
+def _mark_primary(cells: list[dict[str, Any]], gpu_software: str | None) -> None:
+    def rank(cell: dict[str, Any]) -> tuple[bool, bool, str]:
+        row = cell["row"]
+        label = predict_report.software_label(row.get("torch_version"), row.get("transformers_version"))
+        return cell["status"] == "ok", cell["source"] == "predicted" and label == gpu_software, cell["started_at"]
+
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for cell in cells:
         cell["primary"] = False
         key = (cell["source"], cell["gpu"], cell["cell_id"])
         held = best.get(key)
-        if held is None or (cell["status"] == "ok", cell["started_at"]) > (held["status"] == "ok", held["started_at"]):
+        if held is None or rank(cell) > rank(held):
             best[key] = cell
     for cell in best.values():
         cell["primary"] = True
 
 
-def _prediction_errors(results_dir: Path) -> tuple[dict[tuple[str, str], float], dict[str, Any]]:
-    """(cell id, GPU name) -> relative error of predicted peak reserved, where both exist; and the
-    summary of the one-rank fake run's errors (the other methods say on each cell that they are
-    unchecked until a measurement checks them)."""
-    both = predict_report.checked(results_dir)
-    errors, one_rank, stacks = {}, [], set()
+def _predictor_summary(both: pd.DataFrame) -> dict[str, Any]:
+    """The one-rank fake run's errors over the cells PREDICTION.md pairs (`predict_report.pairs`), and their
+    stacks (the other methods say on each cell that they are unchecked until a measurement checks them)."""
+    one_rank, stacks = [], set()
     for row in both.to_dict("records"):
         if row.get("reserved_error_frac") is None or pd.isna(row["reserved_error_frac"]):
             continue
-        errors[(row["cell_id"], str(row["gpu_name"]))] = float(row["reserved_error_frac"])
         if str(row["prediction_method"]).startswith("fake-run") and row["gpus"] == 1:
             one_rank.append(abs(float(row["reserved_error_frac"])))
             stacks.add(str(row["stack"]))
     if not one_rank:
-        return errors, {"cells": 0, "stacks": []}
-    return errors, {"cells": len(one_rank), "median_abs_error": float(pd.Series(one_rank).median()),
-                    "max_abs_error": max(one_rank), "peak": "reserved", "stacks": sorted(stacks)}
+        return {"cells": 0, "stacks": []}
+    return {"cells": len(one_rank), "median_abs_error": float(pd.Series(one_rank).median()),
+            "max_abs_error": max(one_rank), "peak": "reserved", "stacks": sorted(stacks)}
