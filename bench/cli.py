@@ -26,6 +26,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -346,14 +347,20 @@ def cmd_site(args: argparse.Namespace) -> int:
 # Warnings optional libraries log as a fake run imports them, about kernels a fake run never calls. They came
 # first in every answer, and read as the prediction's own failure ("Failed to load ..."): bitsandbytes' CPU 4-bit
 # matmul kernel missing (a CPU with AVX512-BF16), torchao's CUDA extensions not loading on a CPU, torch's
-# deprecation of torchao's Enum registrations.
+# deprecation of torchao's Enum registrations. And one library's deprecation warning about another's API, which
+# no answer can act on: peft 0.21 reads transformers 5.24's deprecated `is_gradient_checkpointing` as a LoRA
+# stack is applied.
 IMPORT_NOISE = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
+LIBRARY_DEPRECATIONS = (r"`is_gradient_checkpointing` is deprecated",)
 
 
 def _fake_runs_ahead() -> None:
-    """Before a command's fake runs: the loggers of IMPORT_NOISE quiet but for errors."""
+    """Before a command's fake runs: the loggers of IMPORT_NOISE quiet but for errors, and LIBRARY_DEPRECATIONS
+    not shown."""
     for name in IMPORT_NOISE:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for message in LIBRARY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:

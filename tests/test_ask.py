@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -281,8 +282,8 @@ def test_a_zero_cell_is_answered_as_a_hybrid_with_its_host(tmp_path: Path, capsy
 
 def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls(caplog: pytest.LogCaptureFixture) -> None:
     """`bench ask`, `predict` and `fit --predict` quiet the warnings optional libraries log as a fake run imports them
-    (bitsandbytes' missing CPU kernel, torchao's CUDA extensions on a CPU): they came first in every answer. Their
-    errors still show."""
+    (bitsandbytes' missing CPU kernel, torchao's CUDA extensions on a CPU), and peft's use of an API transformers
+    deprecates: they came first in every answer. Their errors, and other deprecations, still show."""
     loggers = [logging.getLogger(name) for name in cli.IMPORT_NOISE]
     levels = [logger.level for logger in loggers]
     try:
@@ -292,6 +293,12 @@ def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls
                 logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community")
             logging.getLogger("torchao").error("an error still shows")
         assert [record.getMessage() for record in caplog.records] == ["an error still shows"]
+        with warnings.catch_warnings(record=True) as shown:  # the filters it adds go with this block
+            warnings.simplefilter("always")
+            cli._fake_runs_ahead()
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+            warnings.warn("another library's deprecation", FutureWarning)
+        assert [str(w.message) for w in shown] == ["another library's deprecation"]
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
