@@ -296,8 +296,8 @@ def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls
         with warnings.catch_warnings(record=True) as shown:  # the filters it adds go with this block
             warnings.simplefilter("always")
             cli._fake_runs_ahead()
-            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
-            warnings.warn("another library's deprecation", FutureWarning)
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning, stacklevel=1)
+            warnings.warn("another library's deprecation", FutureWarning, stacklevel=1)
         assert [str(w.message) for w in shown] == ["another library's deprecation"]
     finally:
         for logger, level in zip(loggers, levels, strict=True):
