@@ -61,17 +61,19 @@ class Answer:
         p = self.predicted
         if p.get("status") != "ok":
             return "not predicted"
-        if p.get("fits") is False or self.live_tensors_exceed_card:
+        if p.get("fits") is False or self.torch_alone_exceeds_card:
             return "does not fit"
         if p.get("host_fits") is False:
             return "host_oom"
         return "fits" if p.get("fits") else "not judged"
 
     @property
-    def live_tensors_exceed_card(self) -> bool:
-        """Peak allocated alone above the card: no allocator can fit it, whatever lives outside torch."""
-        memory, allocated = self.card.memory_gib, self.predicted.get("peak_allocated_gib")
-        return memory is not None and allocated is not None and allocated > memory
+    def torch_alone_exceeds_card(self) -> bool:
+        """What torch needs alone is above the card, whatever lives outside it: the allocator's smallest capacity,
+        releasing its cache and retrying (`least_torch_gib`), else peak allocated (a row from before it)."""
+        memory, p = self.card.memory_gib, self.predicted
+        needed = p.get("least_torch_gib", p.get("peak_allocated_gib"))
+        return memory is not None and needed is not None and needed > memory
 
 
 def cell_for(question: Question) -> tuple[Cell, str | None]:
@@ -282,6 +284,9 @@ def _verdict_detail(a: Answer) -> str:
         return f": the smallest card it runs on has {p['least_card_gib']:.2f} GiB{_under_a_fraction(a.cell)}"
     if a.verdict == "does not fit" and p.get("device_peak_gib") is not None:
         return f": the whole device would need {p['device_peak_gib']:.2f} GiB"
+    if a.verdict == "does not fit" and p.get("least_torch_gib") is not None:
+        return (f": torch alone needs {p['least_torch_gib']:.2f} GiB, its allocator releasing its cache and retrying, "
+                "before the CUDA context")
     if a.verdict == "does not fit":
         return f": live tensors alone peak at {p['peak_allocated_gib']:.2f} GiB"
     if a.verdict == "host_oom":
@@ -289,10 +294,12 @@ def _verdict_detail(a: Answer) -> str:
     if a.verdict == "not judged" and p.get("status") == "ok":
         if a.card.memory_gib is None:
             return " (this GPU kind's capacity is not measured: pass --gpu-memory-gib)"
-        spare = a.card.memory_gib - p["peak_reserved_gib"]
+        needed = p.get("least_torch_gib", p["peak_reserved_gib"])
         h100 = gpus.GPUS["h100"]
-        return (f": {spare:.2f} GiB of the card would be left beside peak reserved for the CUDA context and "
-                f"libraries, not measured on this GPU kind ({h100.outside_torch_gib:.2f} GiB on an H100)")
+        return (f": it fits if the CUDA context and libraries take under {a.card.memory_gib - needed:.2f} GiB of the card, "
+                f"not measured on this GPU kind ({h100.outside_torch_gib:.2f} GiB on an H100); torch needs "
+                f"{needed:.2f} GiB" + (", its allocator releasing its cache and retrying" if "least_torch_gib" in p
+                                       and needed < p["peak_reserved_gib"] else ""))
     return ""
 
 

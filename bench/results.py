@@ -142,10 +142,10 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 8  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 9  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
-# 8: fits_budgets_json
+# 8: fits_budgets_json; 9: least_torch_gib
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -192,6 +192,10 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                 "room, each a device synchronisation. The bisection starts from the smallest capacity "
                                 "known to run (the card, or a budget in fits_budgets_json), so it is never above one: "
                                 "the allocator does not promise a single boundary, GiB"),
+    ("least_torch_gib", "float", "PREDICTED least memory the step needs on the card besides the CUDA context and "
+                                 "libraries: the caching allocator's smallest capacity, found as for least_card_gib, "
+                                 "plus CUDA managed memory. Known on every GPU kind: on one whose context is not "
+                                 "measured (an A100, an L40S), the card must hold this and its context, GiB"),
     ("fits_budgets_json", "str", "PREDICTED, where bench fit --predict searched budgets: {budget GiB: whether the "
                                  "step runs within it}, the trace replayed within each as for least_card_gib. The "
                                  "allocator may run within a budget and not within a larger one (it releases its "

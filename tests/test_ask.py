@@ -137,6 +137,15 @@ def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judg
     unmeasured = gpus.GpuKind("x", "a card whose context is not measured", (8, 9), memory_gib=24.0)
     assert _answer(unmeasured).verdict == "not judged"  # reserved + an unknown context
     assert _answer(unmeasured, peak_allocated_gib=30.0).verdict == "does not fit"  # live tensors alone exceed it
+    # torch's least need, its allocator releasing its cache and retrying, above the card: whatever its context takes
+    over = _answer(unmeasured, peak_phase="measure/backward", predict_s=1.0, peak_reserved_gib=27.0, least_torch_gib=24.5)
+    assert over.verdict == "does not fit"
+    assert "does not fit: torch alone needs 24.50 GiB, its allocator releasing its cache" in ask.text(over)
+    # within the card: how much the unmeasured context may take (the card less torch's least need, not its peak)
+    under = _answer(unmeasured, peak_phase="measure/backward", predict_s=1.0, peak_reserved_gib=27.0,
+                    least_torch_gib=21.25)
+    assert under.verdict == "not judged"
+    assert "it fits if the CUDA context and libraries take under 2.75 GiB of the card" in ask.text(under)
 
 
 def test_a_paged_optimizers_managed_state_is_said_apart_from_what_torch_reserves() -> None:

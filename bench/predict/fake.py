@@ -210,18 +210,21 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     out["peak_allocated_gib"] = state.peak_allocated_bytes / measure.GIB
     if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
         out["segments_json"] = segments.to_json(state.held_segments())
+    known = [card_bytes]  # capacities the step runs within
     if gpu.outside_torch_gib is not None:
         apart_gib = gpu.outside_torch_gib + managed_gib
         out["device_peak_gib"] = out["peak_reserved_gib"] + apart_gib
         runs_within = {b: _runs_within(events, settings, b - apart_gib) for b in gpu.budgets_gib}
         if runs_within:  # each budget replayed: the allocator may run within one and not within a larger one
             out["fits_budgets_json"] = json.dumps({f"{b:g}": ran for b, ran in runs_within.items()})
-        # the bisection starts from the least capacity known to run, so the smallest card is never above
-        # a budget the step runs within
-        known = [card_bytes] + [_torch_bytes(b - apart_gib) for b, ran in runs_within.items() if ran]
-        start = min((n for n in known if n is not None), default=None)
-        least = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=start)
-        out["least_card_gib"] = least / measure.GIB + apart_gib
+        known += [_torch_bytes(b - apart_gib) for b, ran in runs_within.items() if ran]
+    # the bisection starts from the least capacity known to run, so the smallest card is never above
+    # a budget the step runs within
+    start = min((n for n in known if n is not None), default=None)
+    least_gib = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=start) / measure.GIB
+    out["least_torch_gib"] = least_gib + managed_gib  # known on every card: what its context is not
+    if gpu.outside_torch_gib is not None:
+        out["least_card_gib"] = out["least_torch_gib"] + gpu.outside_torch_gib
     out["step_trace_json"] = json.dumps([
         {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
          "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])
