@@ -419,3 +419,10 @@ def test_the_smallest_card_is_never_above_a_budget_the_step_runs_within() -> Non
     without = fake.replayed_columns(cell, events, [], [], gpus.GpuKind("test", "a test card", (9, 0), outside_torch_gib=0.0))
     assert "fits_budgets_json" not in without and without["least_card_gib"] * 1024 == pytest.approx(50)
     assert allocator.least_capacity(events, allocator.replay(events).peak_reserved_bytes) == 50 * mib
+    # a card whose context is not measured: no smallest card, but torch's least need, from the card's capacity down
+    unmeasured = gpus.GpuKind("test", "a test card", (9, 0), memory_gib=42 / 1024)
+    out = fake.replayed_columns(cell, events, [], [], unmeasured)
+    assert "least_card_gib" not in out and "fits" not in out and out["least_torch_gib"] * 1024 == pytest.approx(42)
+    assert fake.replayed_columns(cell, events, [], [], gpus.GpuKind("test", "a test card", (9, 0)))[
+        "least_torch_gib"] * 1024 == pytest.approx(50)  # nor its capacity: bisected from what it reserves unbounded
+    assert without["least_torch_gib"] == without["least_card_gib"]  # with its context measured (0 here)

@@ -191,7 +191,8 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     that does not fit makes the allocator release its cache and retry (alloc_retries) before it gives up
     (fits = False; then the unbounded replay says what the cell would need); and the smallest budget
     within which those retries would still get it through (least_card_gib), a memory fraction as `bench
-    fit` emulates it. `managed_gib`: CUDA managed memory beside the allocator's."""
+    fit` emulates it; on any card, what torch needs of it (least_torch_gib, `_smallest_cards`).
+    `managed_gib`: CUDA managed memory beside the allocator's."""
     settings = allocator_settings(cell)
     state = allocator.replay(events, samples=at_steps, settings=settings)
     unbounded_bytes = state.peak_reserved_bytes  # the bounded replay below may replace `state`
@@ -210,24 +211,38 @@ def replayed_columns(cell: Cell, events: list[tuple[Any, ...]], at_steps: list[i
     out["peak_allocated_gib"] = state.peak_allocated_bytes / measure.GIB
     if isinstance(state, allocator.Replay):  # expandable segments: one growing range per pool, no list to compare
         out["segments_json"] = segments.to_json(state.held_segments())
+    if gpu.outside_torch_gib is not None:
+        out["device_peak_gib"] = out["peak_reserved_gib"] + gpu.outside_torch_gib + managed_gib
+    out.update(_smallest_cards(events, settings, gpu, managed_gib, unbounded_bytes, card_bytes))
+    out["step_trace_json"] = json.dumps([
+        {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
+         "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])
+    return out
+
+
+def _smallest_cards(events: list[tuple[Any, ...]], settings: allocator.Settings, gpu: GpuKind, managed_gib: float,
+                    unbounded_bytes: int, card_bytes: int | None) -> dict[str, Any]:
+    """The least memory the step runs within, the allocator releasing its cache and retrying: torch's need
+    (least_torch_gib) on any card; where the card's context is measured, the smallest card (least_card_gib)
+    and each of the kind's budgets replayed (fits_budgets_json). `card_bytes`: the card's capacity for torch
+    where the step runs within it."""
+    out: dict[str, Any] = {}
     known = [card_bytes]  # capacities the step runs within
     if gpu.outside_torch_gib is not None:
         apart_gib = gpu.outside_torch_gib + managed_gib
-        out["device_peak_gib"] = out["peak_reserved_gib"] + apart_gib
         runs_within = {b: _runs_within(events, settings, b - apart_gib) for b in gpu.budgets_gib}
         if runs_within:  # each budget replayed: the allocator may run within one and not within a larger one
             out["fits_budgets_json"] = json.dumps({f"{b:g}": ran for b, ran in runs_within.items()})
         known += [_torch_bytes(b - apart_gib) for b, ran in runs_within.items() if ran]
+    elif gpu.memory_gib is not None and _runs_within(events, settings, gpu.memory_gib - managed_gib):
+        known.append(_torch_bytes(gpu.memory_gib - managed_gib))  # the whole card, its context unknown
     # the bisection starts from the least capacity known to run, so the smallest card is never above
     # a budget the step runs within
     start = min((n for n in known if n is not None), default=None)
     least_gib = allocator.least_capacity(events, unbounded_bytes, settings, runs_within_bytes=start) / measure.GIB
-    out["least_torch_gib"] = least_gib + managed_gib  # known on every card: what its context is not
+    out["least_torch_gib"] = least_gib + managed_gib
     if gpu.outside_torch_gib is not None:
         out["least_card_gib"] = out["least_torch_gib"] + gpu.outside_torch_gib
-    out["step_trace_json"] = json.dumps([
-        {"stage": s.stage, "positions": s.positions, "allocated_gib": s.live_bytes / measure.GIB,
-         "reserved_gib": reserved / measure.GIB} for s, reserved in zip(steps, state.samples, strict=True)])
     return out
 
 
