@@ -133,6 +133,8 @@ def test_the_script_gets_the_primary_records_and_the_tables_every_record(site_da
     primaries = {c["key"] for c in site_data_.cells if c["primary"]}
     assert len(primaries) < len(site_data_.cells)  # published runs do replace one another
     assert {c["key"] for c in embedded["cells"]} == primaries
+    replaced = sum(c["source"] == "predicted" and not c["primary"] for c in site_data_.cells)
+    assert f"{replaced} older predictions of the same cells, replaced by these, are in the tables alone" in text
     tables = text[text.index('<section id="tables">'):]
     assert tables[:tables.index("</section>")].count("<tr><td>") == len(site_data_.cells)
 

@@ -63,7 +63,8 @@ def _script_json(payload: dict[str, Any]) -> str:
 
 def _summary(data: SiteData) -> str:
     measured = [c for c in data.cells if c["source"] == "measured"]
-    predicted = [c for c in data.cells if c["source"] == "predicted"]
+    predicted = [c for c in data.cells if c["source"] == "predicted" and c["primary"]]
+    replaced = sum(c["source"] == "predicted" and not c["primary"] for c in data.cells)
     on_gpu = sorted({c["gpu"] for c in measured if c["gpu"] != "CPU"})
     versions = sorted({str(c["row"].get("torch_version")) for c in measured if c["gpu"] != "CPU"})
     error = data.predictor
@@ -74,7 +75,8 @@ def _summary(data: SiteData) -> str:
     return (f"<p>{len(measured)} measured cells ({sum(c['gpu'] != 'CPU' for c in measured)} on "
             f"{html.escape(', '.join(on_gpu) or 'no GPU')}, torch {html.escape(', '.join(versions) or '-')}) and "
             f"{len(predicted)} predicted ones (<code>bench predict</code>: the training step on fake tensors on a "
-            f"CPU; {accuracy}). Measured figures come from real runs; predicted ones are always marked as "
+            f"CPU; {accuracy}; {replaced} older predictions of the same cells, replaced by these, are in the tables "
+            f"alone). Measured figures come from real runs; predicted ones are always marked as "
             f"predictions. Generated from {len(data.sources)} tables (newest cell {html.escape(newest[:16])} UTC) by "
             f"<code>python -m bench site</code>; each cell's detail names the commit and versions that made it.</p>")
 
