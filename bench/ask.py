@@ -10,6 +10,11 @@ published GPU run measured for the same settings, where one did.
 the largest size whose verdict on the card is "fits", searched as `bench fit --predict` searches a
 budget (interpolated between the sizes predicted), a few fake runs.
 
+The card is a GPU kind (--gpu), its memory as measured or --gpu-memory-gib. Whether the whole device fits
+needs what lives outside torch's allocator (the CUDA context): measured on the H100 and the H200; for
+another card, --outside-torch-gib gives yours (the answer says it is yours), else the answer says how
+much of it the step leaves room for.
+
 A model is a registry name (bench/model_configs) or any config.json transformers can build (a hub
 model's, downloaded alone: no weights are needed). Nothing is written under results/: the answer is
 printed, or with --json the predicted row and the measured rows as JSON.
@@ -225,7 +230,7 @@ def _predicted_lines(a: Answer) -> list[str]:
              f"  peak reserved   {p['peak_reserved_gib']:8.2f} GiB  what the caching allocator holds"]
     if p.get("device_peak_gib") is not None:
         lines.append(f"  whole device    {p['device_peak_gib']:8.2f} GiB  + {a.card.outside_torch_gib:.2f} GiB outside "
-                     "torch (CUDA context), measured on this GPU kind")
+                     f"torch (CUDA context), {_context_source(a.card)}")
     paged_gib = _paged_state_gib(p, a.card)
     if paged_gib:
         lines.append(f"  paged state     {paged_gib:8.2f} GiB  a paged optimizer's state in CUDA managed memory, counted as "
@@ -274,6 +279,14 @@ def _under_a_fraction(cell: Cell) -> str:
         return ""
     return (", and only under a memory fraction (torch.cuda.set_per_process_memory_fraction), without which "
             "the garbage collection threshold does nothing")
+
+
+def _context_source(card: gpus.GpuKind) -> str:
+    """Whether the memory outside torch is the kind's measured figure or the asker's (--outside-torch-gib)."""
+    measured = gpus.GPUS.get(card.key)
+    if measured is not None and measured.outside_torch_gib == card.outside_torch_gib:
+        return "measured on this GPU kind"
+    return "as given (--outside-torch-gib), not measured here"
 
 
 def _verdict_detail(a: Answer) -> str:
@@ -408,7 +421,8 @@ def largest_json(found: Largest) -> str:
 
 def as_json(a: Answer) -> str:
     return json.dumps({"cell_id": a.cell.cell_id, "verdict": a.verdict, "gpu": a.card.key,
-                       "gpu_memory_gib": a.card.memory_gib, "predicted": _plain(a.predicted),
+                       "gpu_memory_gib": a.card.memory_gib, "outside_torch_gib": a.card.outside_torch_gib,
+                       "predicted": _plain(a.predicted),
                        "measured": list(a.measured),
                        "record": None if a.record is None else {
                            "kind": a.record.kind, "reserved_errors": list(a.record.reserved_errors),

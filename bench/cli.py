@@ -138,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     ask_p.add_argument("--checkpoint", default="none", help="none | model | full: a save after the last step")
     ask_p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(gpus.GPUS)} (default h100)")
     ask_p.add_argument("--gpu-memory-gib", type=float, help="the card's memory, GiB (default: the GPU kind's measured capacity)")
+    ask_p.add_argument("--outside-torch-gib", type=float,
+                       help="what lives on the card outside torch's allocator (CUDA context, libraries), GiB, as you "
+                            "measured it (nvidia-smi's use less torch.cuda.memory_reserved()); default: the GPU kind's "
+                            "measured figure (H100, H200), else the answer says how much of it would still fit")
     ask_p.add_argument("--host-memory-gib", type=float, help="the host's RAM, GiB: an offload stack says whether it fits")
     ask_p.add_argument("--largest", choices=("batch", "seq"),
                        help="the other way round: the largest batch (at --seq) or sequence length (at --batch) that "
@@ -410,7 +414,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             raise spec.SpecError(str(err)) from None
     if any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
         raise spec.SpecError("--gpu-memory-gib and --host-memory-gib must be positive")
-    card = dataclasses.replace(_gpu_kind(args.gpu), **({"memory_gib": args.gpu_memory_gib} if args.gpu_memory_gib else {}))
+    card = _asked_card(args)
     sizes = _ask_sizes(args, card)
     question = ask.Question(model, sizes[0] if args.largest == "seq" else args.seq, 1 if args.batch is None else args.batch,
                             args.stack, args.gpus, args.checkpoint)
@@ -423,6 +427,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     found = ask.with_record(ask.answer(question, card, args.host_memory_gib, args.results_dir), args.results_dir)
     print(ask.as_json(found) if args.json else ask.text(found))
     return ask.EXIT_CODES[found.verdict]
+
+
+def _asked_card(args: argparse.Namespace) -> gpus.GpuKind:
+    """--gpu's kind, with the capacity and the memory outside torch asked about where given."""
+    card = _gpu_kind(args.gpu)
+    if args.outside_torch_gib is not None:
+        memory = args.gpu_memory_gib or card.memory_gib
+        if args.outside_torch_gib < 0 or (memory is not None and args.outside_torch_gib >= memory):
+            raise spec.SpecError(f"--outside-torch-gib must be at least 0 and below the card's memory ({memory} GiB)")
+        card = dataclasses.replace(card, outside_torch_gib=args.outside_torch_gib)
+    return dataclasses.replace(card, **({"memory_gib": args.gpu_memory_gib} if args.gpu_memory_gib else {}))
 
 
 def _ask_sizes(args: argparse.Namespace, card: gpus.GpuKind) -> list[int]:

@@ -117,7 +117,10 @@ def test_a_config_file_that_is_not_a_model_is_exit_2_naming_the_problem(
                                   ["tiny-llama", "--largest", "batch", "--seq", "64", "--batch", "2"],
                                   ["tiny-llama", "--largest", "seq", "--seq", "64"],
                                   ["tiny-llama", "--largest", "seq", "--gpu", "a100"],
-                                  ["tiny-llama", "--largest", "seq", "--seq-step", "512", "--max-seq", "256"]])
+                                  ["tiny-llama", "--largest", "seq", "--seq-step", "512", "--max-seq", "256"],
+                                  ["tiny-llama", "--seq", "64", "--outside-torch-gib", "-1"],
+                                  ["tiny-llama", "--seq", "64", "--gpu", "a100", "--gpu-memory-gib", "1",
+                                   "--outside-torch-gib", "1"]])
 def test_bad_questions_are_exit_2_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        args: list[str]) -> None:
     assert cli.main(["--results-dir", str(tmp_path), "ask", *args]) == 2
@@ -146,6 +149,22 @@ def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judg
                     least_torch_gib=21.25)
     assert under.verdict == "not judged"
     assert "it fits if the CUDA context and libraries take under 2.75 GiB of the card" in ask.text(under)
+
+
+def test_a_card_whose_context_is_not_measured_is_judged_with_the_askers_context(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--outside-torch-gib: the whole device and the verdict on a card whose context is not measured, said to be
+    the asker's figure; without it, the same card is not judged."""
+    question = ["--results-dir", str(tmp_path), "ask", "tiny-llama", "--seq", "64", "--gpu", "a100",
+                "--gpu-memory-gib", "1", "--json"]
+    assert cli.main(question) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "not judged"
+    assert cli.main([*question, "--outside-torch-gib", "0.5"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert (found["verdict"], found["outside_torch_gib"]) == ("fits", 0.5)
+    assert found["predicted"]["device_peak_gib"] == pytest.approx(found["predicted"]["peak_reserved_gib"] + 0.5)
+    assert cli.main([*question[:-1], "--outside-torch-gib", "0.99"]) == 1  # torch's 0.02 GiB no longer fits
+    assert "outside torch (CUDA context), as given (--outside-torch-gib), not measured here" in capsys.readouterr().out
 
 
 def test_a_paged_optimizers_managed_state_is_said_apart_from_what_torch_reserves() -> None:
