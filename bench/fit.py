@@ -183,8 +183,9 @@ def predicted_need_gib(row: dict[str, Any]) -> float:
     """The card a predicted cell needs, as a measured probe meets its budget (the allocator capped there,
     releasing its cache and retrying before it fails): the least card its trace runs on (a ZeRO hybrid's
     too, from hybrid/6); where that is not predicted (an older row), the device peak (reserved + the
-    context), or peak allocated where the GPU kind's context is not measured (then a lower bound)."""
-    for column in ("least_card_gib", "device_peak_gib"):
+    context). Where the GPU kind's context is not measured, what torch alone needs (least_torch_gib, else
+    peak allocated): a lower bound, the card's context not in it."""
+    for column in ("least_card_gib", "device_peak_gib", "least_torch_gib"):
         value = row.get(column)
         if value is not None and not pd.isna(value):
             return float(value)
@@ -362,7 +363,8 @@ class FrontierRun:
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
             "not_monotone": self.not_monotone(sizes, budget, cell_for),
             **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
-                                        "allocator_cap_gib", "device_peak_gib", "least_card_gib")},
+                                        "allocator_cap_gib", "device_peak_gib", "least_card_gib",
+                                        "least_torch_gib")},
         }
 
 

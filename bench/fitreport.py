@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 
 from . import fit, peers, results
+from .predict import gpus
 from .views import code_cell, gib, rate
 
 
@@ -162,6 +163,17 @@ def publish_predicted(summary: list[dict], predictions: list[dict], out_dir: Pat
     return board
 
 
+def _context_unmeasured(predictions: pd.DataFrame, gpu_name: str) -> list[str]:
+    """A bullet where the GPU kind's CUDA context is not measured (no prediction has a device peak): the
+    budgets are then what torch alone may use, not the card."""
+    ok = predictions[predictions["status"] == "ok"]
+    if len(ok) == 0 or ok["device_peak_gib"].notna().any():
+        return []
+    return [f"- **{gpu_name}'s CUDA context is not measured**: each cell's need is torch's alone (`least_torch_gib`, "
+            "else peak allocated), so a budget here is what torch may use, not the card: the card must also hold its "
+            f"context ({gpus.GPUS['h100'].outside_torch_gib:.2f} GiB on an H100)."]
+
+
 def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:
     first = predictions.iloc[0]
     methods = ", ".join(sorted(set(predictions["prediction_method"].dropna())))
@@ -183,7 +195,8 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "- The search: a fake run's need holds for every budget, so each search interpolates where the needs "
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",
-             "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.", ""]
+             "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.",
+             *_context_unmeasured(predictions, gpu_name), ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
                   "| model | stack | largest batch | predicted smallest card GiB there | headroom GiB "

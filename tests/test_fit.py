@@ -291,6 +291,20 @@ def test_a_predicted_fit_says_where_the_host_runs_out(workdir) -> None:
     assert "| 1 (host RAM) |" in (workdir / "results" / "f" / "fit" / "FIT-predicted.md").read_text()
 
 
+def test_a_predicted_frontier_on_a_card_whose_context_is_not_measured_says_its_budgets_are_torchs() -> None:
+    """On an A100 (no measured context) a cell's need is torch's alone, least_torch_gib before peak allocated,
+    and FIT-predicted.md says a budget there is what torch may use, not the card."""
+    from bench import fitreport
+
+    a100 = {"status": "ok", "peak_allocated_gib": 9.0, "least_torch_gib": 10.5}
+    assert fit.predicted_need_gib(a100) == 10.5
+    assert fit.predicted_need_gib({**a100, "device_peak_gib": 12.0, "least_card_gib": 11.2}) == 11.2
+    assert fit.predicted_need_gib({"status": "ok", "peak_allocated_gib": 9.0}) == 9.0  # a row from before it
+    bullet = "NVIDIA A100's CUDA context is not measured"
+    assert bullet in fitreport._context_unmeasured(pd.DataFrame([{**a100, "device_peak_gib": None}]), "NVIDIA A100")[0]
+    assert fitreport._context_unmeasured(pd.DataFrame([{**a100, "device_peak_gib": 12.0}]), "NVIDIA H100") == []
+
+
 def test_a_published_frontier_is_quoted_beside_ours_never_mixed_in() -> None:
     """unsloth8b's boards quote Unsloth's table (their recipes, their numbers, their page and the date
     read) with our longest sequence per stack at the budget of the same number: a length where one
