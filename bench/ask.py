@@ -141,21 +141,21 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 def text(a: Answer) -> str:
     """The answer for a person: the prediction, labelled as one, the verdict, and any measurement."""
     c, p = a.cell, a.predicted
-    ranks = _ranks(c.gpus)
+    on = ranks(c.gpus)
     capacity = f" ({a.card.memory_gib:.2f} GiB)" if a.card.memory_gib is not None else ""
-    lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, stack {c.stack.label}, {ranks}: "
+    lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, stack {c.stack.label}, {on}: "
              f"{a.card.name}{capacity}", f"cell {c.cell_id}"]
     if p["status"] == "ok":
         lines += _predicted_lines(a)
     else:
-        lines.append(_not_predicted(p))
-    lines.append(f"verdict: {a.verdict}{_verdict_detail(a)}")
+        lines.append(not_predicted(p))
+    lines.append(f"verdict: {a.verdict}{verdict_detail(a)}")
     lines += _record_lines(a)
     by_run: dict[str, list[dict[str, Any]]] = {}
     for row in a.measured:
         by_run.setdefault(row["run_id"], []).append(row)
     lines += [_measured_line(rows) for rows in by_run.values()] or ["measured: no published GPU run has this cell"]
-    if p["status"] == "ok" and any(_software(row) != _software(p) for row in a.measured):
+    if p["status"] == "ok" and any(software(row) != software(p) for row in a.measured):
         lines.append("  measured under other releases than predicted here: the fake run runs the step's own code, "
                      "so it follows the releases it runs on (results/PREDICTION.md, By software)")
     return "\n".join(lines)
@@ -203,28 +203,28 @@ def _unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
     return lines
 
 
-def _param_count(count: int) -> str:
+def param_count(count: int) -> str:
     """A parameter count, aligned with the GiB figures above it."""
     return f"{count / 1e9:8.2f} B" if count >= 1e9 else f"{count / 1e6:8.1f} M"
 
 
-def _ranks(count: int) -> str:
+def ranks(count: int) -> str:
     return f"{count} GPUs (per GPU)" if count > 1 else "1 GPU"
 
 
-def _not_predicted(p: dict[str, Any]) -> str:
+def not_predicted(p: dict[str, Any]) -> str:
     why = p.get("unsupported_reason") or p.get("skip_reason") or p.get("error") or ""
     return f"not predicted ({p['status']}): {str(why).strip().splitlines()[-1] if why else ''}"
 
 
-def _software(row: dict[str, Any]) -> str:
+def software(row: dict[str, Any]) -> str:
     return predict_report.software_label(row.get("torch_version"), row.get("transformers_version"))
 
 
 def _predicted_lines(a: Answer) -> list[str]:
     p = a.predicted
     op = f", {p['peak_op']}" if p.get("peak_op") else ""
-    lines = [f"predicted on this CPU under {_software(p)} ({p.get('prediction_method', predict_runner.METHOD)}, "
+    lines = [f"predicted on this CPU under {software(p)} ({p.get('prediction_method', predict_runner.METHOD)}, "
              f"{p['predict_s']:.1f} s): a prediction, not a measurement",
              f"  peak allocated  {p['peak_allocated_gib']:8.2f} GiB  in {p['peak_phase']}{op}",
              f"  peak reserved   {p['peak_reserved_gib']:8.2f} GiB  what the caching allocator holds"]
@@ -248,7 +248,7 @@ def _predicted_lines(a: Answer) -> list[str]:
         at_peak = [(role, p.get(column)) for role, column in _AT_PEAK]
         lines.append("  at the peak     " + " · ".join(f"{role} {v or 0:.2f}" for role, v in at_peak) + " GiB")
     if p.get("trainable_params"):  # what the stack trains: LoRA on a mixture of experts adapts every expert
-        lines.append(f"  trainable       {_param_count(p['trainable_params'])} parameters, each with its gradient and "
+        lines.append(f"  trainable       {param_count(p['trainable_params'])} parameters, each with its gradient and "
                      "optimizer state")
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
@@ -289,7 +289,7 @@ def _context_source(card: gpus.GpuKind) -> str:
     return "as given (--outside-torch-gib), not measured here"
 
 
-def _verdict_detail(a: Answer) -> str:
+def verdict_detail(a: Answer) -> str:
     p = a.predicted
     if a.verdict == "fits" and p.get("headroom_gib") is not None:
         return f", {p['headroom_gib']:.2f} GiB to spare on the card"
@@ -329,7 +329,7 @@ def _measured_line(rows: list[dict[str, Any]]) -> str:
     why = row.get("skip_reason") or (row.get("error") if row["status"] != "ok" else None)
     why = f" ({str(why).strip().splitlines()[-1]})" if why else ""
     return (f"measured: {row['status']}{why} on {row.get('gpu_name') or 'a GPU'}, run {row['run_id']} "
-            f"({_software(row)}){': ' + figures if figures else ''}{repeats}")
+            f"({software(row)}){': ' + figures if figures else ''}{repeats}")
 
 
 # --- The question the other way round: the largest batch or sequence length that fits the card ---
@@ -364,7 +364,7 @@ def largest(question: Question, axis: str, sizes: list[int], card: gpus.GpuKind,
 
     def probe(size: int) -> str:
         answers[size] = answer(asked(size), card, host_memory_gib, results_dir)
-        report(f"{axis} {size}: {answers[size].verdict}{_verdict_detail(answers[size])}")
+        report(f"{axis} {size}: {answers[size].verdict}{verdict_detail(answers[size])}")
         return SEARCH_STATUS.get(answers[size].verdict) or str(answers[size].predicted.get("status"))
 
     def need_gib(size: int) -> float | None:
@@ -383,11 +383,11 @@ def _need_gib(a: Answer) -> float | None:
 def largest_text(found: Largest) -> str:
     q, f, first = found.question, found.frontier, next(iter(found.answers.values()))
     fixed = f"seq {q.seq_len}" if found.axis == "batch" else f"batch {q.batch_size}"
-    lines = [f"{q.model}, {fixed}, stack {first.cell.stack.label}, {_ranks(q.gpus)}: {first.card.name} "
+    lines = [f"{q.model}, {fixed}, stack {first.cell.stack.label}, {ranks(q.gpus)}: {first.card.name} "
              f"({first.card.memory_gib:.2f} GiB)"]
     if found.verdict == "not predicted":
         lines.append(f"the search stopped at {f.stopped.split(' at ')[-1]}: "
-                     + _not_predicted(found.answers[f.probes[-1]].predicted))
+                     + not_predicted(found.answers[f.probes[-1]].predicted))
     else:
         beyond = (f"{found.axis} {f.smallest_oom} does not fit" if f.smallest_oom is not None
                   else "the largest searched")
@@ -407,7 +407,7 @@ def largest_text(found: Largest) -> str:
     seconds = sum(a.predicted.get("predict_s") or 0 for a in found.answers.values())
     lines.append(f"searched {len(f.probes)} size{'s' if len(f.probes) > 1 else ''} ({', '.join(map(str, f.probes))}): "
                  "fake runs on this CPU, "
-                 f"{seconds / 60:.1f} min, under {_software(first.predicted)}")
+                 f"{seconds / 60:.1f} min, under {software(first.predicted)}")
     return "\n".join(lines)
 
 

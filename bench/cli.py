@@ -32,7 +32,23 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import ask, cells, compare, envinfo, fit, fitreport, models, overhead, prebuild, report, results, runner, scenarios, spec
+from . import (
+    ask,
+    ask_stacks,
+    cells,
+    compare,
+    envinfo,
+    fit,
+    fitreport,
+    models,
+    overhead,
+    prebuild,
+    report,
+    results,
+    runner,
+    scenarios,
+    spec,
+)
 from .predict import gpus
 from .predict import report as predict_report
 from .predict import runner as predict_runner
@@ -132,8 +148,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "...) or a path to any model's config.json")
     ask_p.add_argument("--seq", type=int, help="sequence length, tokens (not with --largest seq)")
     ask_p.add_argument("--batch", type=int, help="batch size per GPU (default 1; not with --largest batch)")
-    ask_p.add_argument("--stack", default="baseline", help="technique stack, as in matrix.yaml, e.g. 'gc + lora(r=16)' "
-                                                           "(default baseline)")
+    ask_p.add_argument("--stack", action="append", help="technique stack, as in matrix.yaml, e.g. 'gc + lora(r=16)' "
+                                                        "(default baseline); again for another: which of them fit, "
+                                                        "one table (exit 0 if any fits)")
     ask_p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) for an FSDP2, DDP or ZeRO stack (default 1)")
     ask_p.add_argument("--checkpoint", default="none", help="none | model | full: a save after the last step")
     ask_p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(gpus.GPUS)} (default h100)")
@@ -351,18 +368,24 @@ def cmd_site(args: argparse.Namespace) -> int:
 # Warnings optional libraries log as a fake run imports them, about kernels a fake run never calls. They came
 # first in every answer, and read as the prediction's own failure ("Failed to load ..."): bitsandbytes' CPU 4-bit
 # matmul kernel missing (a CPU with AVX512-BF16), torchao's CUDA extensions not loading on a CPU, torch's
-# deprecation of torchao's Enum registrations. And one library's deprecation warning about another's API, which
-# no answer can act on: peft 0.21 reads transformers 5.24's deprecated `is_gradient_checkpointing` as a LoRA
-# stack is applied.
-IMPORT_NOISE = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
+# deprecation of torchao's Enum registrations, DeepSpeed's "Setting accelerator to CPU" (on stdout, amid a ZeRO
+# answer). And one library's deprecation warning about another's API, which no answer can act on: peft 0.21 reads
+# transformers 5.24's deprecated `is_gradient_checkpointing` as a LoRA stack is applied.
+IMPORT_NOISE = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree", "DeepSpeed")
 LIBRARY_DEPRECATIONS = (r"`is_gradient_checkpointing` is deprecated",)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def _fake_runs_ahead() -> None:
     """Before a command's fake runs: the loggers of IMPORT_NOISE quiet but for errors, and LIBRARY_DEPRECATIONS
     not shown."""
     for name in IMPORT_NOISE:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)  # its children's too
+        logger.addFilter(_errors_only)  # DeepSpeed sets its logger's level as it is imported; a filter stays
     for message in LIBRARY_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
@@ -416,9 +439,18 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise spec.SpecError("--gpu-memory-gib and --host-memory-gib must be positive")
     card = _asked_card(args)
     sizes = _ask_sizes(args, card)
+    stacks = args.stack or ["baseline"]
+    if len(stacks) > 1 and args.largest:
+        raise spec.SpecError("--largest searches one stack: give --stack once")
     question = ask.Question(model, sizes[0] if args.largest == "seq" else args.seq, 1 if args.batch is None else args.batch,
-                            args.stack, args.gpus, args.checkpoint)
-    ask.cell_for(question)  # bad input (model, stack, sizes) is an error before anything runs
+                            stacks[0], args.gpus, args.checkpoint)
+    for stack in stacks:  # bad input (model, stack, sizes) is an error before anything runs
+        ask.cell_for(dataclasses.replace(question, stack=stack))
+    if len(stacks) > 1:
+        several = ask_stacks.answers(question, stacks, card, args.host_memory_gib, args.results_dir,
+                                     lambda line: print(line, file=sys.stderr, flush=True))
+        print(ask_stacks.as_json(several) if args.json else ask_stacks.text(several))
+        return ask.EXIT_CODES[several.verdict]
     if args.largest:
         frontier = ask.largest(question, args.largest, sizes, card, args.host_memory_gib, args.results_dir,
                                lambda line: print(line, file=sys.stderr, flush=True))

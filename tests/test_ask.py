@@ -3,6 +3,7 @@ the same settings."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import warnings
@@ -316,6 +317,13 @@ def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls
     levels = [logger.level for logger in loggers]
     try:
         cli._fake_runs_ahead()
+        if importlib.util.find_spec("deepspeed"):  # it sets its logger's level as it is imported, after the call
+            from deepspeed.utils import logger as deepspeed_logger
+
+            deepspeed_logger.setLevel(logging.INFO)
+            assert deepspeed_logger is logging.getLogger("DeepSpeed")
+            assert not deepspeed_logger.filter(deepspeed_logger.makeRecord(
+                "DeepSpeed", logging.WARNING, __file__, 0, "Setting accelerator to CPU.", (), None))
         with caplog.at_level(logging.WARNING):
             for logger in loggers:
                 logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community")
@@ -330,3 +338,33 @@ def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+            logger.removeFilter(cli._errors_only)
+
+
+def test_several_stacks_are_one_table_in_the_order_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--stack` again: one fake run per stack, one row each in the order asked (a stack the fake run does not
+    cover says why), which of them fit, and an exit code that is 0 when any fits, 1 when none does."""
+    stacks = ["--stack", "gc + lora", "--stack", "compile", "--stack", "baseline"]
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks)
+    assert code == 0, out
+    rows = [line.split("  ")[0] for line in out.splitlines()[4:7]]
+    assert rows == ["gc + lora", "compile", "baseline"]
+    assert "compile: not predicted (unsupported): compile: inductor" in out
+    assert "fits: gc + lora, baseline" in out
+    single = json.loads(_ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "gc + lora", "--json")[1])
+    table = out.splitlines()[4]
+    assert f"{single['predicted']['peak_reserved_gib']:.2f}" in table  # the single answer's figures
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks, "--json")
+    found = json.loads(out)
+    assert [a["verdict"] for a in found["answers"]] == ["fits", "not predicted", "fits"] and found["verdict"] == "fits"
+    # a card below the H100's context: nothing fits
+    assert _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks, "--gpu-memory-gib", "0.7")[0] == 1
+
+
+@pytest.mark.parametrize("args", [["--stack", "gc", "--stack", "gc + nosuch"],
+                                  ["--stack", "gc", "--stack", "lora", "--largest", "batch"]])
+def test_several_stacks_are_checked_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          args: list[str]) -> None:
+    assert cli.main(["--results-dir", str(tmp_path), "ask", "tiny-llama", "--seq", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gc:" not in err  # no stack was answered

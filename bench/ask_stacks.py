@@ -1,0 +1,92 @@
+"""`bench ask` with several --stack: which of these stacks fit my card, and what each needs.
+
+    python -m bench ask llama-3.1-8b --seq 4096 --stack gc --stack "gc + lora" --stack "gc + qlora"
+
+Each stack is its own answer (`ask.answer`: one fake run on this CPU, beside any published GPU row of
+the same settings), shown as one row of a table in the order asked. A row's figures are the ones the
+single answer shows; `bench ask` with that stack alone adds the breakdown at the peak and the record of
+predictions made as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import ask, fit
+from .predict import gpus
+
+# Of several answers, the one the exit code reports: any stack that fits makes it 0, as one answer would.
+VERDICT_ORDER = ("fits", "not judged", "host_oom", "does not fit", "not predicted")
+COLUMNS = (("stack", "stack"), ("verdict", "verdict"), ("peak allocated GiB", "peak_allocated_gib"),
+           ("peak reserved GiB", "peak_reserved_gib"), ("needs GiB", "need_gib"), ("trainable", "trainable"),
+           ("measured reserved GiB", "measured_gib"))
+LEFT = ("stack", "verdict")  # the others are figures: right-aligned
+
+
+@dataclass(frozen=True)
+class Stacks:
+    answers: tuple[ask.Answer, ...]  # one per stack, in the order asked
+
+    @property
+    def verdict(self) -> str:
+        """The best of the answers' verdicts (VERDICT_ORDER): what the exit code says."""
+        return min((a.verdict for a in self.answers), key=VERDICT_ORDER.index)
+
+
+def answers(question: ask.Question, stacks: list[str], card: gpus.GpuKind, host_memory_gib: float | None,
+            results_dir: Path, report: Callable[[str], None] = lambda line: None) -> Stacks:
+    """Each stack asked about on the card, one fake run each; `report` gets a line as each is answered."""
+    found = []
+    for stack in stacks:
+        one = ask.answer(replace(question, stack=stack), card, host_memory_gib, results_dir)
+        report(f"{one.cell.stack.label}: {one.verdict}{ask.verdict_detail(one)}")
+        found.append(one)
+    return Stacks(tuple(found))
+
+
+def row(a: ask.Answer) -> dict[str, str]:
+    """One answer's figures as the table shows them ("" where not known)."""
+    p = a.predicted
+    figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib")
+               if p.get(column) is not None}
+    need = fit.predicted_need_gib(p) if p.get("status") == "ok" else None
+    measured = [r["peak_reserved_gib"] for r in a.measured if r.get("status") == "ok"
+                and r.get("gpu_name") == a.card.name and r.get("peak_reserved_gib") is not None]
+    return {"stack": a.cell.stack.label, "verdict": a.verdict, **figures,
+            "need_gib": "" if need is None else f"{need:.2f}",
+            "trainable": ask.param_count(p["trainable_params"]).strip() if p.get("trainable_params") else "",
+            "measured_gib": f"{max(measured):.2f}" if measured else ""}
+
+
+def text(found: Stacks) -> str:
+    """The answers as one table, what "needs" means on this card, and which stacks fit."""
+    first = found.answers[0]
+    c, card = first.cell, first.card
+    capacity = f" ({card.memory_gib:.2f} GiB)" if card.memory_gib is not None else ""
+    rows = [row(a) for a in found.answers]
+    widths = {key: max(len(title), *(len(r.get(key, "")) for r in rows)) for title, key in COLUMNS}
+
+    def line(cells: dict[str, str]) -> str:
+        return "  ".join(cells.get(key, "").ljust(widths[key]) if key in LEFT else cells.get(key, "").rjust(widths[key])
+                         for _, key in COLUMNS).rstrip()
+
+    lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, {ask.ranks(c.gpus)}: {card.name}{capacity}",
+             f"{len(rows)} stacks predicted on this CPU (fake runs, not measurements), under "
+             f"{ask.software(first.predicted)}", "", line({key: title for title, key in COLUMNS}), *map(line, rows), ""]
+    lines += [f"{a.cell.stack.label}: {ask.not_predicted(a.predicted)}" for a in found.answers
+              if a.predicted.get("status") != "ok"]
+    fitting = [a.cell.stack.label for a in found.answers if a.verdict == "fits"]
+    lines += ["needs: the smallest card the step runs on (the allocator releasing its cache and retrying), else the "
+              "whole device's peak; on a card whose context is not measured, torch's alone. measured reserved: "
+              "a published GPU run's, on this GPU kind",
+              f"fits: {', '.join(fitting) if fitting else 'none of these'}",
+              "each stack alone (bench ask ... --stack S) adds its breakdown at the peak and its kind's record"]
+    return "\n".join(lines)
+
+
+def as_json(found: Stacks) -> str:
+    return json.dumps({"verdict": found.verdict, "answers": [json.loads(ask.as_json(a)) for a in found.answers]},
+                      indent=1)
