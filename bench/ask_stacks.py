@@ -53,12 +53,19 @@ def row(a: ask.Answer) -> dict[str, str]:
     figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib")
                if p.get(column) is not None}
     need = fit.predicted_need_gib(p) if p.get("status") == "ok" else None
-    measured = [r["peak_reserved_gib"] for r in a.measured if r.get("status") == "ok"
-                and r.get("gpu_name") == a.card.name and r.get("peak_reserved_gib") is not None]
     return {"stack": a.cell.stack.label, "verdict": a.verdict, **figures,
             "need_gib": "" if need is None else f"{need:.2f}",
             "trainable": ask.param_count(p["trainable_params"]).strip() if p.get("trainable_params") else "",
-            "measured_gib": f"{max(measured):.2f}" if measured else ""}
+            "measured_gib": _measured(a)}
+
+
+def _measured(a: ask.Answer) -> str:
+    """The published runs' peak reserved on this GPU kind (their max), else how they ended (OOM), else ""."""
+    rows = [r for r in a.measured if r.get("gpu_name") == a.card.name]
+    reserved = [r["peak_reserved_gib"] for r in rows if r.get("status") == "ok" and r.get("peak_reserved_gib") is not None]
+    if reserved:
+        return f"{max(reserved):.2f}"
+    return ", ".join(sorted({str(r.get("status")).upper() for r in rows}))
 
 
 def text(found: Stacks) -> str:

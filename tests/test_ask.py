@@ -368,3 +368,15 @@ def test_several_stacks_are_checked_before_anything_runs(tmp_path: Path, capsys:
     assert cli.main(["--results-dir", str(tmp_path), "ask", "tiny-llama", "--seq", "64", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "gc:" not in err  # no stack was answered
+
+
+def test_a_stacks_row_shows_what_a_gpu_of_this_kind_measured_or_how_it_ended() -> None:
+    from bench import ask_stacks
+
+    a = _answer(peak_reserved_gib=12.0)
+    on = {"gpu_name": H100.name}
+    assert ask_stacks.row(replace(a, measured=({**on, "status": "oom"},)))["measured_gib"] == "OOM"
+    measured = ({**on, "status": "ok", "peak_reserved_gib": 31.06}, {**on, "status": "ok", "peak_reserved_gib": 31.2},
+                {"gpu_name": "NVIDIA H200", "status": "ok", "peak_reserved_gib": 40.0})  # another kind's: not shown
+    assert ask_stacks.row(replace(a, measured=measured))["measured_gib"] == "31.20"
+    assert ask_stacks.row(a)["measured_gib"] == ""
