@@ -178,13 +178,22 @@ def _record_lines(a: Answer) -> list[str]:
         before = r.reserved_errors_before_run
         line += (f"; predicted before a GPU ran them, by the methods of the time: {min(before):+.2%} to "
                  f"{max(before):+.2%} on {len(before)}")
-    headroom = a.predicted.get("headroom_gib")
-    if a.verdict == "fits" and headroom is not None and low < 0:
-        miss_gib = a.predicted["peak_reserved_gib"] * -low / (1 + low)  # measured = predicted / (1 + error)
-        if miss_gib > headroom:
-            line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
-                     f"{headroom:.2f} GiB to spare: measure before relying on it")
+    miss_gib = worst_miss_over_headroom(a)
+    if miss_gib is not None:
+        line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
+                 f"{a.predicted['headroom_gib']:.2f} GiB to spare: measure before relying on it")
     return [line, *_unlike_the_record(a.cell, r)]
+
+
+def worst_miss_over_headroom(a: Answer) -> float | None:
+    """Where the verdict is "fits" but its record's worst under-prediction of peak reserved, repeated here,
+    would take more than the card has to spare: that miss, GiB."""
+    headroom, errors = a.predicted.get("headroom_gib"), a.record.reserved_errors if a.record else ()
+    if a.verdict != "fits" or headroom is None or not errors or min(errors) >= 0:
+        return None
+    low = min(errors)
+    miss_gib = float(a.predicted["peak_reserved_gib"]) * -low / (1 + low)  # measured = predicted / (1 + error)
+    return miss_gib if miss_gib > headroom else None
 
 
 def _unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:

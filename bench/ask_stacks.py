@@ -2,10 +2,10 @@
 
     python -m bench ask llama-3.1-8b --seq 4096 --stack gc --stack "gc + lora" --stack "gc + qlora"
 
-Each stack is its own answer (`ask.answer`: one fake run on this CPU, beside any published GPU row of
-the same settings), shown as one row of a table in the order asked. A row's figures are the ones the
-single answer shows; `bench ask` with that stack alone adds the breakdown at the peak and the record of
-predictions made as it was.
+Each stack is its own answer (`ask.answer`: one fake run on this CPU, beside its record and any
+published GPU row of the same settings), shown as one row of a table in the order asked. A row's
+figures are the ones the single answer shows; `bench ask` with that stack alone adds the breakdown at
+the peak and what its record is of (the models and ranks of its cells).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from pathlib import Path
 
 from . import ask, fit
 from .predict import gpus
+from .predict import report as predict_report
 
 # Of several answers, the one the exit code reports: any stack that fits makes it 0, as one answer would.
 VERDICT_ORDER = ("fits", "not judged", "host_oom", "does not fit", "not predicted")
 COLUMNS = (("stack", "stack"), ("verdict", "verdict"), ("peak allocated GiB", "peak_allocated_gib"),
            ("peak reserved GiB", "peak_reserved_gib"), ("needs GiB", "need_gib"), ("trainable", "trainable"),
-           ("measured reserved GiB", "measured_gib"))
+           ("record", "record"), ("measured reserved GiB", "measured_gib"))
 LEFT = ("stack", "verdict")  # the others are figures: right-aligned
 
 
@@ -41,7 +42,8 @@ def answers(question: ask.Question, stacks: list[str], card: gpus.GpuKind, host_
     """Each stack asked about on the card, one fake run each; `report` gets a line as each is answered."""
     found = []
     for stack in stacks:
-        one = ask.answer(replace(question, stack=stack), card, host_memory_gib, results_dir)
+        one = ask.with_record(ask.answer(replace(question, stack=stack), card, host_memory_gib, results_dir),
+                              results_dir)
         report(f"{one.cell.stack.label}: {one.verdict}{ask.verdict_detail(one)}")
         found.append(one)
     return Stacks(tuple(found))
@@ -53,10 +55,20 @@ def row(a: ask.Answer) -> dict[str, str]:
     figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib")
                if p.get(column) is not None}
     need = fit.predicted_need_gib(p) if p.get("status") == "ok" else None
-    return {"stack": a.cell.stack.label, "verdict": a.verdict, **figures,
+    risky = "*" if ask.worst_miss_over_headroom(a) is not None else ""
+    return {"stack": a.cell.stack.label, "verdict": a.verdict + risky, **figures,
             "need_gib": "" if need is None else f"{need:.2f}",
             "trainable": ask.param_count(p["trainable_params"]).strip() if p.get("trainable_params") else "",
-            "measured_gib": _measured(a)}
+            "record": _record(a.record), "measured_gib": _measured(a)}
+
+
+def _record(r: predict_report.Record | None) -> str:
+    """How the published GPU cells predicted as this one was fared: their peak reserved errors' range."""
+    if r is None:
+        return ""
+    if not r.reserved_errors:
+        return "none yet"
+    return f"{min(r.reserved_errors):+.2%} to {max(r.reserved_errors):+.2%} ({len(r.reserved_errors)})"
 
 
 def _measured(a: ask.Answer) -> str:
@@ -87,10 +99,13 @@ def text(found: Stacks) -> str:
               if a.predicted.get("status") != "ok"]
     fitting = [a.cell.stack.label for a in found.answers if a.verdict == "fits"]
     lines += ["needs: the smallest card the step runs on (the allocator releasing its cache and retrying), else the "
-              "whole device's peak; on a card whose context is not measured, torch's alone. measured reserved: "
-              "a published GPU run's, on this GPU kind",
+              "whole device's peak; on a card whose context is not measured, torch's alone. record: predicted - "
+              "measured peak reserved over measured, on the published GPU cells (how many) predicted as this "
+              "stack was; *: a miss as large as its worst would not fit. measured reserved: a published GPU run's, "
+              "on this GPU kind",
               f"fits: {', '.join(fitting) if fitting else 'none of these'}",
-              "each stack alone (bench ask ... --stack S) adds its breakdown at the peak and its kind's record"]
+              "each stack alone (bench ask ... --stack S) adds its breakdown at the peak and what its record is of "
+              "(models, ranks)"]
     return "\n".join(lines)
 
 

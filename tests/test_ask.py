@@ -380,3 +380,17 @@ def test_a_stacks_row_shows_what_a_gpu_of_this_kind_measured_or_how_it_ended() -
                 {"gpu_name": "NVIDIA H200", "status": "ok", "peak_reserved_gib": 40.0})  # another kind's: not shown
     assert ask_stacks.row(replace(a, measured=measured))["measured_gib"] == "31.20"
     assert ask_stacks.row(a)["measured_gib"] == ""
+
+
+def test_a_stacks_row_gives_its_record_and_marks_a_fit_its_worst_miss_would_undo() -> None:
+    """The record column: the range of the published errors of predictions made as this one was; a fit whose
+    spare memory is smaller than that record's worst under-prediction, repeated here, is marked "fits*"."""
+    from bench import ask_stacks
+    from bench.predict import report as predict_report
+
+    record = predict_report.Record("one rank, fake run, without offload", (-0.0306, 0.0024, 0.0))
+    near = replace(_answer(fits=True, peak_reserved_gib=40.0, headroom_gib=1.0), record=record)
+    row = ask_stacks.row(near)
+    assert (row["verdict"], row["record"]) == ("fits*", "-3.06% to +0.24% (3)")  # 40 / (1 - 0.0306) - 40 = 1.26 GiB
+    assert ask_stacks.row(replace(near, predicted={**near.predicted, "headroom_gib": 1.5}))["verdict"] == "fits"
+    assert ask_stacks.row(replace(near, record=predict_report.Record("hybrid", ())))["record"] == "none yet"
