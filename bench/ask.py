@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -93,17 +94,18 @@ def cell_for(question: Question) -> tuple[Cell, str | None]:
     return planned.cell, planned.skip_reason
 
 
-def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None, results_dir: Path) -> Answer:
-    """Predicts the cell on fake tensors (seconds to a minute on a CPU) and finds its measured rows."""
-    from .predict.fake import predict_cell  # imports torch and transformers: only when predicting
-
+def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None, results_dir: Path,
+           pool: Executor | None = None) -> Answer:
+    """Predicts the cell on fake tensors (seconds to a minute on a CPU; in one of `pool`'s processes, if
+    given) and finds its measured rows."""
     cell, skip_reason = cell_for(question)
     if skip_reason is not None:
         predicted: dict[str, Any] = {"status": "skipped", "skip_reason": skip_reason}
     else:
         releases = envinfo.versions()
         predicted = {"prediction_method": predict_runner.METHOD, "torch_version": releases["torch"],
-                     "transformers_version": releases["transformers"], **predict_cell(cell, card)}  # a hybrid's says so
+                     "transformers_version": releases["transformers"],
+                     **predict_runner.fake_run(pool, cell, card)}  # a hybrid's says its method
         predicted.update(predict_runner.judged(predicted, card.memory_gib, host_memory_gib))
     return Answer(cell, card, predicted, tuple(measured_rows(results_dir, cell)))
 

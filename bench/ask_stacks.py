@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import ask, fit
 from .predict import gpus
 from .predict import report as predict_report
+from .predict import runner as predict_runner
 
 # Of several answers, the one the exit code reports: any stack that fits makes it 0, as one answer would.
 VERDICT_ORDER = ("fits", "not judged", "host_oom", "does not fit", "not predicted")
@@ -38,15 +40,20 @@ class Stacks:
 
 
 def answers(question: ask.Question, stacks: list[str], card: gpus.GpuKind, host_memory_gib: float | None,
-            results_dir: Path, report: Callable[[str], None] = lambda line: None) -> Stacks:
-    """Each stack asked about on the card, one fake run each; `report` gets a line as each is answered."""
-    found = []
-    for stack in stacks:
-        one = ask.with_record(ask.answer(replace(question, stack=stack), card, host_memory_gib, results_dir),
-                              results_dir)
-        report(f"{one.cell.stack.label}: {one.verdict}{ask.verdict_detail(one)}")
-        found.append(one)
-    return Stacks(tuple(found))
+            results_dir: Path, report: Callable[[str], None] = lambda line: None, jobs: int = 1,
+            model_files: tuple[Path, ...] = ()) -> Stacks:
+    """Each stack asked about on the card, one fake run each; `report` gets a line as each is answered.
+    With jobs > 1, the fake runs go to that many processes (each registering `model_files`, the config.json
+    files asked about), so stacks are answered side by side."""
+    def one(stack: str, pool: Executor | None) -> ask.Answer:
+        found = ask.answer(replace(question, stack=stack), card, host_memory_gib, results_dir, pool)
+        report(f"{found.cell.stack.label}: {found.verdict}{ask.verdict_detail(found)}")
+        return ask.with_record(found, results_dir)
+
+    if jobs == 1:
+        return Stacks(tuple(one(stack, None) for stack in stacks))
+    with predict_runner.spawned_pool(jobs, model_files) as pool, ThreadPoolExecutor(jobs) as threads:
+        return Stacks(tuple(threads.map(lambda stack: one(stack, pool), stacks)))
 
 
 def row(a: ask.Answer) -> dict[str, str]:

@@ -168,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --largest seq: lengths searched are multiples of this (default 1024)")
     ask_p.add_argument("--max-seq", type=int, default=131072,
                        help="with --largest seq: the longest searched (default 131072)")
+    ask_p.add_argument("--jobs", type=int, default=1, help="with several --stack: processes predicting them side by "
+                                                          "side (default 1)")
     ask_p.add_argument("--json", action="store_true", help="the predicted row and the measured rows as JSON")
     ask_p.set_defaults(func=cmd_ask)
 
@@ -430,9 +432,10 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
 def cmd_ask(args: argparse.Namespace) -> int:
     _fake_runs_ahead()
     model = args.model
+    model_files: tuple[Path, ...] = ()  # a config.json asked about: --jobs's processes register it too
     if model.endswith(".json") or Path(model).is_file():
         try:
-            model = models.register_file(Path(model))
+            model, model_files = models.register_file(Path(model)), (Path(model),)
         except ValueError as err:
             raise spec.SpecError(str(err)) from None
     if any(x is not None and x <= 0 for x in (args.gpu_memory_gib, args.host_memory_gib)):
@@ -442,13 +445,15 @@ def cmd_ask(args: argparse.Namespace) -> int:
     stacks = args.stack or ["baseline"]
     if len(stacks) > 1 and args.largest:
         raise spec.SpecError("--largest searches one stack: give --stack once")
+    if args.jobs < 1 or (args.jobs > 1 and len(stacks) == 1):
+        raise spec.SpecError("--jobs predicts several stacks side by side: give --stack more than once, and a count >= 1")
     question = ask.Question(model, sizes[0] if args.largest == "seq" else args.seq, 1 if args.batch is None else args.batch,
                             stacks[0], args.gpus, args.checkpoint)
     for stack in stacks:  # bad input (model, stack, sizes) is an error before anything runs
         ask.cell_for(dataclasses.replace(question, stack=stack))
     if len(stacks) > 1:
         several = ask_stacks.answers(question, stacks, card, args.host_memory_gib, args.results_dir,
-                                     lambda line: print(line, file=sys.stderr, flush=True))
+                                     lambda line: print(line, file=sys.stderr, flush=True), args.jobs, model_files)
         print(ask_stacks.as_json(several) if args.json else ask_stacks.text(several))
         return ask.EXIT_CODES[several.verdict]
     if args.largest:

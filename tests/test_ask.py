@@ -361,8 +361,21 @@ def test_several_stacks_are_one_table_in_the_order_asked(tmp_path: Path, capsys:
     assert _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks, "--gpu-memory-gib", "0.7")[0] == 1
 
 
+def test_several_stacks_side_by_side_give_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--jobs 2: the fake runs in two spawned processes, each registering the config.json asked about (they do not
+    share this process's registry); the table is the one a single process makes, rows in the order asked."""
+    path = tmp_path / "my-model" / "config.json"
+    path.parent.mkdir()
+    path.write_text((models.CONFIG_DIR / "tiny-llama.json").read_text())
+    args = [str(path), "--seq", "64", "--stack", "gc + lora", "--stack", "baseline", "--stack", "compile"]
+    one_process = _ask(tmp_path, capsys, *args)
+    assert one_process[0] == 0 and "my-model, seq 64" in one_process[1]
+    assert _ask(tmp_path, capsys, *args, "--jobs", "2") == one_process
+
+
 @pytest.mark.parametrize("args", [["--stack", "gc", "--stack", "gc + nosuch"],
-                                  ["--stack", "gc", "--stack", "lora", "--largest", "batch"]])
+                                  ["--stack", "gc", "--stack", "lora", "--largest", "batch"],
+                                  ["--stack", "gc", "--jobs", "2"], ["--stack", "gc", "--stack", "lora", "--jobs", "0"]])
 def test_several_stacks_are_checked_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           args: list[str]) -> None:
     assert cli.main(["--results-dir", str(tmp_path), "ask", "tiny-llama", "--seq", "64", *args]) == 2

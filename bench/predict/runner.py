@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from .. import cells, results
+from .. import cells, models, results
 from ..cells import Cell, PlannedCell
 from ..envinfo import OPTIONAL_PACKAGES, HostCaps
 from ..spec import MatrixSpec
@@ -152,16 +152,28 @@ def predicted_in(pool: Executor | None, planned: PlannedCell, card: gpus.GpuKind
     imports torch once; a thread may wait on it while others search), else in this process."""
     if planned.skip_reason is not None:
         return {"status": "skipped", "skip_reason": planned.skip_reason}
+    return fake_run(pool, planned.cell, card)
+
+
+def fake_run(pool: Executor | None, cell: Cell, card: gpus.GpuKind) -> dict[str, Any]:
+    """The cell's fake run, in one of `pool`'s processes (the calling thread waits), else in this process."""
     if pool is None:
         from .fake import predict_cell
 
-        return predict_cell(planned.cell, card)
-    return pool.submit(_predict_in_worker, (planned.cell.to_json(), card)).result()
+        return predict_cell(cell, card)
+    return pool.submit(_predict_in_worker, (cell.to_json(), card)).result()
 
 
-def spawned_pool(jobs: int) -> ProcessPoolExecutor:
-    """`jobs` processes that predict cells (spawned: a fork would copy this process's torch state)."""
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+def spawned_pool(jobs: int, model_files: tuple[Path, ...] = ()) -> ProcessPoolExecutor:
+    """`jobs` processes that predict cells (spawned: a fork would copy this process's torch state), each
+    registering `model_files` first (config.json files outside the registry, as this process did)."""
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_register_files,
+                               initargs=(model_files,))
+
+
+def _register_files(paths: tuple[Path, ...]) -> None:
+    for path in paths:
+        models.register_file(path)
 
 
 def record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: dict[str, Any], raw_dir: Path,
