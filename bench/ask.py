@@ -184,7 +184,7 @@ def _record_lines(a: Answer) -> list[str]:
     if miss_gib is not None:
         line += (f"; a miss as large as its worst would need {miss_gib:.2f} GiB more here, over the "
                  f"{a.predicted['headroom_gib']:.2f} GiB to spare: measure before relying on it")
-    return [line, *_unlike_the_record(a.cell, r)]
+    return [line, *unlike_the_record(a.cell, r)]
 
 
 def worst_miss_over_headroom(a: Answer) -> float | None:
@@ -198,7 +198,7 @@ def worst_miss_over_headroom(a: Answer) -> float | None:
     return miss_gib if miss_gib > headroom else None
 
 
-def _unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
+def unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
     """A line for each way no cell of the record is like this one, so that the record says little of how
     it is predicted: another architecture (its config's model_type: other ops, a mixture of experts' grouped
     matmuls, another attention), another number of ranks (other collectives and buffers)."""
@@ -261,6 +261,9 @@ def _predicted_lines(a: Answer) -> list[str]:
     if p.get("trainable_params"):  # what the stack trains: LoRA on a mixture of experts adapts every expert
         lines.append(f"  trainable       {param_count(p['trainable_params'])} parameters, each with its gradient and "
                      "optimizer state")
+    if p.get("step_tflop") is not None:  # compute, not time: kernels' speeds differ (an 8-bit optimizer's step)
+        lines.append(f"  compute         {p['step_tflop']:8.2f} TFLOP a step: the matmuls and attention the fake run "
+                     "dispatched, recomputation included; how long the step takes is not predicted")
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
         lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  {held} and worker processes")
@@ -333,6 +336,8 @@ def _measured_line(rows: list[dict[str, Any]]) -> str:
     figures = ", ".join(f"{label} {row[column]:.2f} GiB" for label, column in (
         ("peak allocated", "peak_allocated_gib"), ("reserved", "peak_reserved_gib"), ("device (NVML)", "nvml_peak_gib"))
         if row.get(column) is not None)
+    if row["status"] == "ok" and row.get("tokens_per_s") and row.get("step_ms_p50"):
+        figures += f"; {row['tokens_per_s']:,.0f} tokens/s, step {row['step_ms_p50']:.0f} ms (median)"
     reserved = [r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None]
     repeats = ""
     if len(rows) > 1 and reserved:

@@ -5,7 +5,8 @@
 Each stack is its own answer (`ask.answer`: one fake run on this CPU, beside its record and any
 published GPU row of the same settings), shown as one row of a table in the order asked. A row's
 figures are the ones the single answer shows; `bench ask` with that stack alone adds the breakdown at
-the peak and what its record is of (the models and ranks of its cells).
+the peak. Below the table, what each record is of: the models and rank counts of its cells, and a mark
+on a row whose model or rank count none of them shares (its predictions are then not checked on a GPU).
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ from pathlib import Path
 
 from . import ask, fit
 from .predict import gpus
-from .predict import report as predict_report
 from .predict import runner as predict_runner
 
 # Of several answers, the one the exit code reports: any stack that fits makes it 0, as one answer would.
 VERDICT_ORDER = ("fits", "not judged", "host_oom", "does not fit", "not predicted")
 COLUMNS = (("stack", "stack"), ("verdict", "verdict"), ("peak allocated GiB", "peak_allocated_gib"),
            ("peak reserved GiB", "peak_reserved_gib"), ("needs GiB", "need_gib"), ("trainable", "trainable"),
-           ("record", "record"), ("measured reserved GiB", "measured_gib"))
+           ("TFLOP a step", "step_tflop"), ("record", "record"), ("measured reserved GiB", "measured_gib"),
+           ("measured tokens/s", "measured_tokens_per_s"))
 LEFT = ("stack", "verdict")  # the others are figures: right-aligned
+LEGEND = (
+    "needs: the smallest card the step runs on (the allocator releasing its cache and retrying), else the whole "
+    "device's peak; on a card whose context is not measured, torch's alone",
+    "TFLOP a step: the matmuls and attention the fake run dispatched, recomputation included (empty where they run "
+    "in kernels it cannot count): compute, not time",
+    "record: predicted - measured peak reserved over measured, on the published GPU cells (how many) predicted as "
+    "this stack was; ?: none of them is of this model's architecture or ran on this many GPUs, so how its "
+    "prediction fares is not measured; *: a miss as large as its worst would not fit",
+    "measured: a published GPU run's, on this GPU kind (several: the largest reserved, the least tokens/s)")
 
 
 @dataclass(frozen=True)
@@ -59,32 +69,49 @@ def answers(question: ask.Question, stacks: list[str], card: gpus.GpuKind, host_
 def row(a: ask.Answer) -> dict[str, str]:
     """One answer's figures as the table shows them ("" where not known)."""
     p = a.predicted
-    figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib")
+    figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib", "step_tflop")
                if p.get(column) is not None}
     need = fit.predicted_need_gib(p) if p.get("status") == "ok" else None
     risky = "*" if ask.worst_miss_over_headroom(a) is not None else ""
     return {"stack": a.cell.stack.label, "verdict": a.verdict + risky, **figures,
             "need_gib": "" if need is None else f"{need:.2f}",
             "trainable": ask.param_count(p["trainable_params"]).strip() if p.get("trainable_params") else "",
-            "record": _record(a.record), "measured_gib": _measured(a)}
+            "record": _record(a), **_measured(a)}
 
 
-def _record(r: predict_report.Record | None) -> str:
-    """How the published GPU cells predicted as this one was fared: their peak reserved errors' range."""
+def _record(a: ask.Answer) -> str:
+    """How the published GPU cells predicted as this one was fared: their peak reserved errors' range, marked
+    "?" where none of them is of this model's architecture or ran on this many GPUs."""
+    r = a.record
     if r is None:
         return ""
     if not r.reserved_errors:
         return "none yet"
-    return f"{min(r.reserved_errors):+.2%} to {max(r.reserved_errors):+.2%} ({len(r.reserved_errors)})"
+    unlike = "?" if ask.unlike_the_record(a.cell, r) else ""
+    return f"{min(r.reserved_errors):+.2%} to {max(r.reserved_errors):+.2%} ({len(r.reserved_errors)}){unlike}"
 
 
-def _measured(a: ask.Answer) -> str:
-    """The published runs' peak reserved on this GPU kind (their max), else how they ended (OOM), else ""."""
+def records_of(found: Stacks) -> list[str]:
+    """What each record in the table is of, once per kind: its cells' models and rank counts."""
+    kinds = {a.record.kind: a.record for a in found.answers if a.record is not None and a.record.reserved_errors}
+    return [f"  {kind}: {_count(len(r.reserved_errors), 'cell')} of {', '.join(r.models) or 'models not recorded'}, "
+            f"on {' or '.join(map(str, r.gpus)) or '?'} GPU{'s' if r.gpus != (1,) else ''}" for kind, r in kinds.items()]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _measured(a: ask.Answer) -> dict[str, str]:
+    """The published runs on this GPU kind: their peak reserved (the largest) and tokens/s (the least), else how
+    they ended (OOM)."""
     rows = [r for r in a.measured if r.get("gpu_name") == a.card.name]
-    reserved = [r["peak_reserved_gib"] for r in rows if r.get("status") == "ok" and r.get("peak_reserved_gib") is not None]
-    if reserved:
-        return f"{max(reserved):.2f}"
-    return ", ".join(sorted({str(r.get("status")).upper() for r in rows}))
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("peak_reserved_gib") is not None]
+    if not ok:
+        return {"measured_gib": ", ".join(sorted({str(r.get("status")).upper() for r in rows}))}
+    speeds = [r["tokens_per_s"] for r in ok if r.get("tokens_per_s")]
+    return {"measured_gib": f"{max(r['peak_reserved_gib'] for r in ok):.2f}",
+            "measured_tokens_per_s": f"{min(speeds):,.0f}" if speeds else ""}
 
 
 def text(found: Stacks) -> str:
@@ -105,14 +132,10 @@ def text(found: Stacks) -> str:
     lines += [f"{a.cell.stack.label}: {ask.not_predicted(a.predicted)}" for a in found.answers
               if a.predicted.get("status") != "ok"]
     fitting = [a.cell.stack.label for a in found.answers if a.verdict == "fits"]
-    lines += ["needs: the smallest card the step runs on (the allocator releasing its cache and retrying), else the "
-              "whole device's peak; on a card whose context is not measured, torch's alone. record: predicted - "
-              "measured peak reserved over measured, on the published GPU cells (how many) predicted as this "
-              "stack was; *: a miss as large as its worst would not fit. measured reserved: a published GPU run's, "
-              "on this GPU kind",
+    records = records_of(found)
+    lines += [*LEGEND, *(["records, of:", *records] if records else []),
               f"fits: {', '.join(fitting) if fitting else 'none of these'}",
-              "each stack alone (bench ask ... --stack S) adds its breakdown at the peak and what its record is of "
-              "(models, ranks)"]
+              "each stack alone (bench ask ... --stack S) adds its breakdown at the peak"]
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 2, "gc"))
     same = {"model": "tiny-llama", "seq_len": 64, "batch_size": 2, "stack": "gc", "gpus": 1}
     results.write_parquet([
-        _measured(cell.cell_id, "gpu-run", "ok", 0.75, **same),
+        _measured(cell.cell_id, "gpu-run", "ok", 0.75, **same, tokens_per_s=12345.6, step_ms_p50=10.37),
         _measured("other", "gpu-run", "ok", 9.0, **{**same, "batch_size": 4}),  # another batch: not this cell
         _measured("capped", "gpu-fit", "oom", None, **same, budget_gib=0.1),  # a fit probe under a cap: not it
     ], tmp_path / "results" / "m" / "runs" / "gpu-run.parquet")
@@ -50,6 +51,8 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert f"cell {cell.cell_id}" in out and "a prediction, not a measurement" in out
     assert "verdict: fits" in out and "GiB to spare on the card" in out and "smallest card" in out
     assert "measured: ok on NVIDIA H100 80GB HBM3, run gpu-run" in out and "reserved 0.75 GiB" in out
+    assert "; 12,346 tokens/s, step 10 ms (median)" in out  # what it cost where a GPU ran it
+    assert re.search(r"compute +\d+\.\d\d TFLOP a step: the matmuls and attention", out)  # counted, not timed
     assert out.count("measured:") == 1  # neither the other batch nor the capped probe
     assert f"under torch {HERE['torch'].split('+')[0]}, transformers {HERE['transformers']}" in out
     assert "measured under other releases" not in out
@@ -389,10 +392,14 @@ def test_a_stacks_row_shows_what_a_gpu_of_this_kind_measured_or_how_it_ended() -
     a = _answer(peak_reserved_gib=12.0)
     on = {"gpu_name": H100.name}
     assert ask_stacks.row(replace(a, measured=({**on, "status": "oom"},)))["measured_gib"] == "OOM"
-    measured = ({**on, "status": "ok", "peak_reserved_gib": 31.06}, {**on, "status": "ok", "peak_reserved_gib": 31.2},
-                {"gpu_name": "NVIDIA H200", "status": "ok", "peak_reserved_gib": 40.0})  # another kind's: not shown
-    assert ask_stacks.row(replace(a, measured=measured))["measured_gib"] == "31.20"
-    assert ask_stacks.row(a)["measured_gib"] == ""
+    measured = ({**on, "status": "ok", "peak_reserved_gib": 31.06, "tokens_per_s": 15149.2},
+                {**on, "status": "ok", "peak_reserved_gib": 31.2, "tokens_per_s": 15312.0},
+                {"gpu_name": "NVIDIA H200", "status": "ok", "peak_reserved_gib": 40.0, "tokens_per_s": 9.0})  # not shown
+    row = ask_stacks.row(replace(a, measured=measured))
+    assert (row["measured_gib"], row["measured_tokens_per_s"]) == ("31.20", "15,149")  # the largest, the slowest
+    assert ask_stacks.row(a)["measured_gib"] == "" and "measured_tokens_per_s" not in ask_stacks.row(a)
+    assert ask_stacks.row(_answer(step_tflop=109.2575))["step_tflop"] == "109.26"  # counted compute, not time
+    assert "step_tflop" not in ask_stacks.row(_answer(step_tflop=None))  # kernels the fake run cannot count
 
 
 def test_a_stacks_row_gives_its_record_and_marks_a_fit_its_worst_miss_would_undo() -> None:
@@ -407,3 +414,27 @@ def test_a_stacks_row_gives_its_record_and_marks_a_fit_its_worst_miss_would_undo
     assert (row["verdict"], row["record"]) == ("fits*", "-3.06% to +0.24% (3)")  # 40 / (1 - 0.0306) - 40 = 1.26 GiB
     assert ask_stacks.row(replace(near, predicted={**near.predicted, "headroom_gib": 1.5}))["verdict"] == "fits"
     assert ask_stacks.row(replace(near, record=predict_report.Record("hybrid", ())))["record"] == "none yet"
+
+
+def test_a_stacks_table_says_what_each_record_is_of_and_marks_a_row_none_of_its_cells_is_like() -> None:
+    """Below the table, each record's cells (models, rank counts), once per kind; a row whose model's architecture
+    or rank count none of its record's cells shares is marked "?": the record does not speak for it."""
+    from bench import ask_stacks
+    from bench.predict import report as predict_report
+
+    one_rank = predict_report.Record("one rank, fake run, without offload", (-0.0006, 0.0024),
+                                     models=("llama-3.2-1b", "llama-3.2-3b"), gpus=(1,))
+    hybrid = predict_report.Record("hybrid, with offload", (-0.0427,), models=("llama-3.2-3b",), gpus=(1,))
+    figures = {"peak_phase": "measure/backward", "peak_reserved_gib": 1.0, "predict_s": 1.0, "fits": True}
+    llama = replace(_answer(**figures), record=one_rank)
+    qwen_cell, _ = ask.cell_for(ask.Question("tiny-qwen2", 64, 1))
+    qwen = replace(llama, cell=qwen_cell)
+    assert ask_stacks.row(llama)["record"] == "-0.06% to +0.24% (2)"
+    assert ask_stacks.row(qwen)["record"] == "-0.06% to +0.24% (2)?"  # no qwen2 cell behind it
+    eight_cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, "zero3", gpus=8))
+    assert ask_stacks.row(replace(llama, cell=eight_cell, record=hybrid))["record"].endswith("(1)?")  # 8 ranks
+    found = ask_stacks.Stacks((llama, replace(llama, record=hybrid), qwen))
+    assert ask_stacks.records_of(found) == [
+        "  one rank, fake run, without offload: 2 cells of llama-3.2-1b, llama-3.2-3b, on 1 GPU",
+        "  hybrid, with offload: 1 cell of llama-3.2-3b, on 1 GPU"]
+    assert "records, of:\n  one rank" in ask_stacks.text(found)

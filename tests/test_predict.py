@@ -1710,6 +1710,26 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
     assert liger["status"] == "ok" and liger["step_tflop"] is None  # its matmuls run in Triton: not counted
 
 
+def test_attention_on_a_cpu_counts_the_flops_of_the_gpus_attention() -> None:
+    """The fake run's sdpa dispatches to flash attention for the CPU, which torch's FLOP registry has a formula
+    for only from 2.15 on; the count is the formula of the GPU's attention, forward and backward (before the
+    fix, torch 2.11 and 2.13 counted no attention: Llama-3.2-3B baseline at seq 2048 batch 2, 78.95 TFLOP a step
+    instead of 89.05)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils import flop_counter
+
+    from bench.predict.flops import FlopCount
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    with FlopCount() as counted:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        forward = counted.flops
+        out.sum().backward()
+    assert forward == flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape) == 2 * 2 * (2 * 4) * 16 * 16 * 8
+    assert counted.flops - forward == flop_counter.sdpa_backward_flop_count(out.shape, q.shape, k.shape, v.shape)
+
+
 def test_a_mixture_of_experts_counts_its_grouped_matmuls_flops(tmp_path: Path) -> None:
     """Its experts run by grouped matmuls, which torch's FLOP registry has no formula for. tiny OLMoE routes each
     of 128 tokens to 2 of 8 experts (256 rows): halving the experts' width takes 3 x 6 x rows x hidden x width/2 a

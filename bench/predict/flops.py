@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The fake run's sdpa dispatches to flash attention for the CPU, which torch's registry gives a formula only
+# from torch 2.15 on; before, attention counted nothing. The GPU's kernels (flash, cuDNN) compute the same
+# products from the same query, key and value (and, backward, the output's gradient before them), so a CUDA
+# flash op's formula counts the CPU one: the first arguments are the same in both.
+CPU_ATTENTION_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_flash_attention_for_cpu_backward":
+                        "_scaled_dot_product_flash_attention_backward"}
 
 
 def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -45,6 +54,8 @@ class FlopCount(TorchDispatchMode):
             self.flops += grouped_mm_flops(tuple(args[0].shape), tuple(args[1].shape))
             return out
         formula = flop_registry.get(func._overloadpacket)
+        if formula is None and func._opname in CPU_ATTENTION_AS:
+            formula = flop_registry.get(getattr(torch.ops.aten, CPU_ATTENTION_AS[func._opname]))
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out

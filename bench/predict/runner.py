@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/11"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/12"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -49,7 +49,10 @@ METHOD = "fake-run/11"  # bump when what a prediction counts changes (2: reserve
 # backward takes a partial-sum buffer over more than 3,072 indices (bench/predict/embedding.py), the only
 # large request the fake run's first step lacked beside the H200's trace of gc s2048 b2; 11: a load's allocator
 # warmup (transformers' from_pretrained: one block of the loaded weights' size, freed at once), which moves only
-# the load stacks (qlora, unsloth): the H200's Llama-3.2-3B qlora +0.30% -> +0.24%, its 2096 MiB segment the GPU's to the byte)
+# the load stacks (qlora, unsloth): the H200's Llama-3.2-3B qlora +0.30% -> +0.24%, its 2096 MiB segment the GPU's to the byte;
+# 12: attention's FLOPs counted under torch before 2.15 (step_tflop: Llama-3.2-3B baseline s2048 b2 78.95 ->
+# 89.05 TFLOP, torch 2.15's count), and selective_gc(ops=matmuls) saves the CPU attention the fake run
+# dispatches, as it saves the GPU's (it recomputed it), which moves only that stack's predictions)
 
 
 @dataclass(frozen=True)

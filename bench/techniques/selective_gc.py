@@ -17,8 +17,11 @@ from typing import Any
 
 from .base import Evidence, Options, Phase, Technique
 
+# sdpa's kernels on a GPU and on a CPU (where the smoke matrix and the predictor's fake run dispatch it): a
+# policy that saved the GPU's attention but recomputed the CPU's would predict another step than the GPU runs.
 SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+             "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
