@@ -1712,22 +1712,29 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
 
 def test_attention_on_a_cpu_counts_the_flops_of_the_gpus_attention() -> None:
     """The fake run's sdpa dispatches to flash attention for the CPU, which torch's FLOP registry has a formula
-    for only from 2.15 on; the count is the formula of the GPU's attention, forward and backward (before the
-    fix, torch 2.11 and 2.13 counted no attention: Llama-3.2-3B baseline at seq 2048 batch 2, 78.95 TFLOP a step
-    instead of 89.05)."""
+    for only from 2.15 on (before the fix, torch 2.11 and 2.13 counted no attention: Llama-3.2-3B baseline at
+    seq 2048 batch 2, 78.95 TFLOP a step instead of 89.05), and torch 2.11's formula asserts on grouped-query
+    attention passed as such (transformers 5.17's sdpa call): every query head counts, forward and backward."""
     import torch
     import torch.nn.functional as F
     from torch.utils import flop_counter
 
     from bench.predict.flops import FlopCount
 
-    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
-    with FlopCount() as counted:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        forward = counted.flops
-        out.sum().backward()
-    assert forward == flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape) == 2 * 2 * (2 * 4) * 16 * 16 * 8
-    assert counted.flops - forward == flop_counter.sdpa_backward_flop_count(out.shape, q.shape, k.shape, v.shape)
+    def counted(kv_heads: int) -> tuple[int, int]:
+        q = torch.randn(2, 4, 16, 8, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, 16, 8, requires_grad=True) for _ in range(2))
+        with FlopCount() as flops:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads < 4)
+            forward = flops.flops
+            out.sum().backward()
+        return forward, flops.flops - forward
+
+    products = 2 * 2 * 4 * 16 * 16  # 2 x batch x query heads x s_q x s_k
+    assert counted(4) == counted(2) == (products * (8 + 8), products * (3 * 8 + 2 * 8))
+    shape = (2, 4, 16, 8)  # torch's own formulas, as the GPU's kernels have them: the same count
+    assert counted(4) == (flop_counter.sdpa_flop_count(shape, shape, shape),
+                          flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape))
 
 
 def test_a_mixture_of_experts_counts_its_grouped_matmuls_flops(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The FLOPs of a step as the dispatcher runs it, by torch's own formulas (torch.utils.flop_counter's
-registry: matmuls, attention, convolutions; element-wise ops count nothing), and the grouped matmul
-a mixture of experts runs its experts by, which that registry lacks. Recomputation under
+registry: matmuls, convolutions; element-wise ops count nothing), and by formulas of our own for two
+it lacks or miscounts: attention (under grouped-query attention; the CPU's kernel) and the grouped
+matmul a mixture of experts runs its experts by. Recomputation under
 activation checkpointing runs through the dispatcher again, so it is counted: what a checkpointing
 policy costs in compute.
 
@@ -13,16 +14,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# The fake run's sdpa dispatches to flash attention for the CPU, which torch's registry gives a formula only
-# from torch 2.15 on; before, attention counted nothing. The GPU's kernels (flash, cuDNN) compute the same
-# products from the same query, key and value (and, backward, the output's gradient before them), so a CUDA
-# flash op's formula counts the CPU one: the first arguments are the same in both.
-CPU_ATTENTION_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
-                    "_scaled_dot_product_flash_attention_for_cpu_backward":
-                        "_scaled_dot_product_flash_attention_backward"}
+# sdpa's attention kernels, forward and backward: the fake run dispatches the CPU's, a GPU one of the others.
+# They are counted here, not by torch's registry: its formulas come for the CPU's only from torch 2.15 on (before,
+# attention counted nothing), and torch 2.11's assert that keys have as many heads as queries, which grouped-query
+# attention passed as such (transformers 5.17's sdpa call, enable_gqa) does not have.
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+ATTENTION_BACKWARD_OPS = tuple(f"{name}_backward" for name in ATTENTION_OPS)
+
+
+def attention_flops(query: Any, key: Any, value: Any, backward: bool) -> int:
+    """Attention's FLOPs, from its query, key and value tensors, as torch's formulas count them (causal
+    masking not subtracted), every query head counted with the key and value heads it shares under
+    grouped-query attention. Forward: scores (q @ k) and out (scores @ v). Backward: the scores again,
+    the scores' and v's gradients from the output's, then q's and k's: 2 x batch x query heads x s_q x
+    s_k times (d_qk + d_v) forward, (3 d_qk + 2 d_v) backward."""
+    batch, heads, s_q, d_qk = query.shape
+    s_k, d_v = key.shape[2], value.shape[3]
+    return 2 * batch * heads * s_q * s_k * ((3 * d_qk + 2 * d_v) if backward else (d_qk + d_v))
 
 
 def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -53,9 +64,13 @@ class FlopCount(TorchDispatchMode):
         if func.name() == "aten::_grouped_mm":
             self.flops += grouped_mm_flops(tuple(args[0].shape), tuple(args[1].shape))
             return out
+        if func._opname in ATTENTION_OPS:
+            self.flops += attention_flops(args[0], args[1], args[2], backward=False)
+            return out
+        if func._opname in ATTENTION_BACKWARD_OPS:  # (the output's gradient, query, key, value, ...)
+            self.flops += attention_flops(args[1], args[2], args[3], backward=True)
+            return out
         formula = flop_registry.get(func._overloadpacket)
-        if formula is None and func._opname in CPU_ATTENTION_AS:
-            formula = flop_registry.get(getattr(torch.ops.aten, CPU_ATTENTION_AS[func._opname]))
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
