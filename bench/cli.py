@@ -310,14 +310,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _collect(results_dir: Path, matrix: str, run_id: str) -> Path:
-    """Raw rows of a run (e.g. copied back from a GPU host), over its published table if it has one
-    -> its parquet table."""
-    rows = list(results.run_rows(results_dir, matrix, run_id).values())
-    if not rows:
+    parquet = results.collect_run(results_dir, matrix, run_id)
+    if parquet is None:
         raise spec.SpecError(f"no rows of matrix {matrix!r} in run {run_id!r} (under {results_dir / 'raw' / run_id} "
                              f"or {results_dir / matrix / 'runs'})")
-    parquet = results_dir / matrix / "runs" / f"{run_id}.parquet"
-    results.write_parquet(rows, parquet)
     return parquet
 
 

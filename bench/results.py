@@ -397,6 +397,22 @@ def run_rows(results_dir: Path, matrix: str, run_id: str) -> dict[str, dict[str,
     return {key: row for key, row in rows.items() if row.get("matrix") == matrix}
 
 
+def collect_run(results_dir: Path, matrix: str, run_id: str) -> Path | None:
+    """A run's raw rows (e.g. copied back from a GPU host) over its published table, if it has one -> its
+    parquet table; None if the run has no row of the matrix. A published run with no raw rows is left as it
+    was published: written again, it would gain the schema's newer columns, empty, and change bytes of a
+    measured table that nothing new was measured for."""
+    parquet = results_dir / matrix / "runs" / f"{run_id}.parquet"
+    raw = [row for row in read_raw(results_dir / "raw" / run_id).values() if row.get("matrix") == matrix]
+    if not raw and parquet.exists():
+        return parquet
+    rows = list(run_rows(results_dir, matrix, run_id).values())
+    if not rows:
+        return None
+    write_parquet(rows, parquet)
+    return parquet
+
+
 def merge_runs(runs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per cell (and repeat) from several runs: a measured row (ok) over one that is not,
     then the newest. Shards never share a cell; a run and its re-run do."""

@@ -177,3 +177,41 @@ def test_a_board_says_whether_the_warm_up_steps_were_enough() -> None:
     frame["step_trace_json"] = [timed(t, p50, 1.5 if i == 0 else 1.0) for i, (t, p50) in enumerate(pairs)]
     board = report.leaderboard(frame, "cmd")
     assert "the last warm-up step took 1.00× the measured median step (median over 11 cells; 1.00-1.50)" in board
+
+
+def test_reporting_a_published_run_leaves_its_table_as_published(tmp_path: Path) -> None:
+    """`bench report MATRIX --run-id R` of a run with no raw rows reads its published table and never
+    rewrites it (written again, it would gain the schema's newer columns); raw rows, when there are some,
+    are collected over it."""
+    import io
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    repo = Path(__file__).resolve().parents[1]
+    run_id = "smoke-cpu-20261122"
+    runs = tmp_path / "smoke" / "runs"
+    runs.mkdir(parents=True)
+    table = runs / f"{run_id}.parquet"
+    shutil.copy(repo / "results" / "smoke" / "runs" / table.name, table)
+    published = table.read_bytes()
+
+    def report() -> None:
+        proc = subprocess.run([sys.executable, "-m", "bench", "--results-dir", str(tmp_path), "report", "smoke",
+                               "--run-id", run_id], cwd=repo, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    report()
+    assert table.read_bytes() == published and (runs / f"{run_id}.md").exists()
+
+    first = json.loads(pd.read_parquet(table).iloc[[0]].to_json(orient="records"))[0]
+    raw = tmp_path / "raw" / run_id
+    raw.mkdir(parents=True)
+    (raw / "new.json").write_text(json.dumps(first | {"cell_id": "tiny-llama_s256_b9_baseline", "batch_size": 9}))
+    report()
+    collected = pd.read_parquet(table)
+    assert len(collected) == len(pd.read_parquet(io.BytesIO(published))) + 1
+    assert "tiny-llama_s256_b9_baseline" in set(collected["cell_id"])
