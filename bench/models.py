@@ -21,7 +21,7 @@ _OUR_KEYS = ("family", "_source")
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # llama | qwen2 | mistral
+    family: str  # the model_type unless the config names one: which family-specific patches apply (liger)
     source: str
     config_json: str  # the config.json fields, canonical JSON (hashable, and a fresh copy per load)
 

@@ -1541,6 +1541,32 @@ def test_a_liger_prediction_fakes_its_kernels_and_undoes_its_patch() -> None:
     assert again["peak_allocated_gib"] == baseline["peak_allocated_gib"]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2", "olmo3", "smollm3",
+                                    "ministral"])
+def test_liger_patches_each_family_it_names(family: str, tmp_path: Path) -> None:
+    """Each family liger names (a test-sized config of its model_type): the patch applies every kernel (the
+    technique checks its modules and fused loss at build), the fake run holds no (tokens x vocab) logits, and the
+    family's modeling module is as it was after."""
+    import importlib
+
+    from bench.techniques import liger
+
+    assert family in liger.FAMILIES
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": family, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024,
+         "max_position_embeddings": 4096, "pad_token_id": 0, "tie_word_embeddings": False}))
+    name, h100 = models.register_file(tmp_path / "config.json"), gpus.get("h100")
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    before = dict(vars(module))
+    baseline = fake.predict_cell(make_cell(SMOKE, "cuda", name, 64, 2, parse_stack("baseline")), h100)
+    patched = fake.predict_cell(make_cell(SMOKE, "cuda", name, 64, 2, parse_stack("liger")), h100)
+    assert patched["status"] == "ok", patched.get("error")
+    logits_bytes = 64 * 2 * 1024 * 2
+    assert patched["peak_allocated_gib"] * 2**30 < baseline["peak_allocated_gib"] * 2**30 - logits_bytes
+    assert dict(vars(module)) == before
+
+
 def test_another_liger_version_is_not_predicted_but_said(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench.predict import liger
 

@@ -20,16 +20,21 @@ from .base import Evidence, Options, Phase, Technique
 if TYPE_CHECKING:
     from ..cells import Cell
 
-FAMILIES = ("llama", "qwen2", "mistral")
+# Families whose Liger patch takes these four kernels and applies all of them, and whose fake run runs it
+# (tests/test_predict.py). Not granite (no fused linear cross-entropy), glm4 (no RoPE), the gemmas (GeGLU, not
+# SwiGLU); not the mixtures of experts (qwen3_moe, mixtral): Liger's experts are dispatched by the router's
+# values, which fake tensors do not have.
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2", "olmo3", "smollm3", "ministral")
 KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")
 
 
 def _before_build(cell: Cell, opts: Options) -> None:
     from liger_kernel.transformers import monkey_patch
 
-    # Patches the family's module classes, so the model built next uses Liger's.
+    # Patches the family's module classes, so the model built next uses Liger's. Its plain cross-entropy is
+    # off: the fused one replaces it (some families' patch turns it on by default, and refuses both).
     family = models.get(cell.model).family
-    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(**{k: opts[k] for k in KERNELS})
+    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(cross_entropy=False, **{k: opts[k] for k in KERNELS})
 
 
 def _apply(model: Any, opts: Options) -> tuple[Any, Evidence]:
