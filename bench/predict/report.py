@@ -10,6 +10,7 @@ fraction of measured. Generated, never edited by hand.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,10 +285,7 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     kind = f"{label}, {'with' if offload else 'without'} offload"
     if of is None:
         return Record(kind, ())
-    measured = measured_gpu_cells(results_dir)
-    every = every_prediction(results_dir, cell_ids=set(measured["cell_id"]))  # pairs need no other cell's
-    now = pairs(measured, newest(every, every_software=True))
-    before = pairs(measured, every, made_before_run=True)
+    now, before = _measured_pairs(results_dir, _tables_state(results_dir))
 
     def alike(both: pd.DataFrame) -> pd.DataFrame:
         """The pairs predicted as this one is, with a reserved error."""
@@ -300,6 +298,24 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
     return Record(kind, tuple(map(float, checked.get("reserved_error_frac", ()))),
                   tuple(map(float, checked_before.get("reserved_error_frac", ()))),
                   tuple(sorted(set(checked.get("model", ())))), tuple(sorted({int(g) for g in checked.get("gpus", ())})))
+
+
+@functools.lru_cache(maxsize=4)
+def _measured_pairs(results_dir: Path, tables_state: tuple[tuple[str, int, int], ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each measured GPU cell beside its newest predictions, and beside those made before it ran: what every
+    `record` filters. Read once per state of the published tables (`_tables_state`): `bench ask` with several
+    stacks asks for a record per stack, and reading every table takes seconds. The frames are shared: not
+    changed by their readers."""
+    measured = measured_gpu_cells(results_dir)
+    every = every_prediction(results_dir, cell_ids=set(measured["cell_id"]))  # pairs need no other cell's
+    return pairs(measured, newest(every, every_software=True)), pairs(measured, every, made_before_run=True)
+
+
+def _tables_state(results_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    """Every published table under results_dir, with its size and modification time: a table written, added or
+    removed changes it."""
+    paths = sorted(results_dir.glob("*/runs/*.parquet")) + sorted(results_dir.glob("*/predicted/*.parquet"))
+    return tuple((str(p), st.st_size, st.st_mtime_ns) for p in paths for st in (p.stat(),))
 
 
 def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
