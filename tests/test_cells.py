@@ -193,8 +193,8 @@ def test_a_model_without_the_stacks_attention_is_skipped_saying_which_technique_
 
 
 def test_liger_on_a_family_it_does_not_name_is_skipped_saying_so() -> None:
-    """A mixture of experts (tiny-olmoe): its family has no Liger patch, and Liger's experts of those that do route
-    by values fake tensors lack. Skipped before anything runs, naming the families, not failed in the build."""
+    """A family Liger does not name (tiny-olmoe, a mixture of experts): skipped before anything runs, naming the
+    families, not failed in the build."""
     smoke = spec.get(REPO_MATRIX, "smoke")
     gpu_host = HostCaps(cuda_devices=1, packages=frozenset({"liger_kernel"}))
     olmoe, llama = (cells.make_cell(smoke, "cuda", m, 32, 1, stacks.parse_stack("liger")) for m in ("tiny-olmoe", "tiny-llama"))
