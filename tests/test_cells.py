@@ -34,6 +34,8 @@ def test_an_option_added_later_keeps_published_ids_at_its_default() -> None:
     smaller = dataclasses.replace(llama3b["zero2"], stack=stacks.parse_stack("zero2(bucket=50000000)"))
     assert smaller.cell_id == "llama-3.2-3b_s2048_b2_zero2-bucket-50000000_" + smaller.cell_id[-8:]
     assert smaller.cell_id[-8:] != "0d48768e"
+    # Liger's `geglu` came after its Llama cells were measured and published
+    assert llama3b["gc + liger"].cell_id == "llama-3.2-3b_s2048_b2_gc+liger_42b6b638"
 
 
 def test_ids_depend_on_settings_not_on_spelling(tmp_path: Path) -> None:
@@ -201,3 +203,22 @@ def test_liger_on_a_family_it_does_not_name_is_skipped_saying_so() -> None:
     reason = cells.skip_reason(olmoe, smoke, gpu_host)
     assert reason is not None and reason.startswith("liger supports the llama, qwen2, mistral, qwen3") and "not olmoe" in reason
     assert cells.skip_reason(llama, smoke, gpu_host) is None
+
+
+def test_liger_refuses_switching_off_an_mlp_kernel_the_family_does_not_have() -> None:
+    """The gemmas' MLP is GeGLU, the others' SwiGLU: `liger(swiglu=false)` on a Gemma would switch nothing
+    off, so the cell is refused naming the option that does; the family's own kernel may be switched off."""
+    smoke = spec.get(REPO_MATRIX, "smoke")
+    gpu_host = HostCaps(cuda_devices=1, packages=frozenset({"liger_kernel"}))
+
+    def reason(model: str, stack: str) -> str | None:
+        return cells.skip_reason(cells.make_cell(smoke, "cuda", model, 32, 1, stacks.parse_stack(stack)), smoke, gpu_host)
+
+    assert reason("gemma-3-1b", "liger(swiglu=false)") == (
+        "liger(swiglu=False): gemma-3-1b (gemma3_text) has a geglu MLP, not swiglu: its kernel is switched off by "
+        "liger(geglu=False)")
+    assert reason("tiny-llama", "liger(geglu=false)") == (
+        "liger(geglu=False): tiny-llama (llama) has a swiglu MLP, not geglu: its kernel is switched off by "
+        "liger(swiglu=False)")
+    assert reason("gemma-3-1b", "liger(geglu=false)") is None
+    assert reason("tiny-llama", "liger(swiglu=false)") is None

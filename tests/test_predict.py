@@ -1542,13 +1542,18 @@ def test_a_liger_prediction_fakes_its_kernels_and_undoes_its_patch() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2", "olmo3", "smollm3",
-                                    "ministral"])
+                                    "ministral", "gemma", "gemma2", "gemma3_text"])
 def test_liger_patches_each_family_it_names(family: str, tmp_path: Path) -> None:
     """Each family liger names (a test-sized config of its model_type): the patch applies every kernel (the
-    technique checks its modules and fused loss at build), the fake run holds no (tokens x vocab) logits, and the
-    family's modeling module is as it was after."""
+    technique checks its modules and fused loss at build), its MLP is Liger's (GeGLU in the gemmas), the fake
+    run holds no (tokens x vocab) logits, and the family's modeling module is as it was after. gemma2 runs with
+    eager attention (no sdpa path in transformers) and its final logit softcapping, inside Liger's kernel."""
     import importlib
 
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.predict import liger as liger_prediction
     from bench.techniques import liger
 
     assert family in liger.FAMILIES
@@ -1557,11 +1562,20 @@ def test_liger_patches_each_family_it_names(family: str, tmp_path: Path) -> None
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024,
          "max_position_embeddings": 4096, "pad_token_id": 0, "tie_word_embeddings": False}))
     name, h100 = models.register_file(tmp_path / "config.json"), gpus.get("h100")
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    module = importlib.import_module(liger_prediction.modeling_module(family))
     before = dict(vars(module))
-    baseline = fake.predict_cell(make_cell(SMOKE, "cuda", name, 64, 2, parse_stack("baseline")), h100)
-    patched = fake.predict_cell(make_cell(SMOKE, "cuda", name, 64, 2, parse_stack("liger")), h100)
+    attention = "eager_attention + " if family == "gemma2" else ""
+    baseline = fake.predict_cell(make_cell(SMOKE, "cuda", name, 64, 2, parse_stack(attention.strip(" +") or "baseline")),
+                                 h100)
+    cell = make_cell(SMOKE, "cuda", name, 64, 2, parse_stack(f"{attention}liger"))
+    patched = fake.predict_cell(cell, h100)
     assert patched["status"] == "ok", patched.get("error")
+    with liger_prediction.predicting(family), torch.device("meta"):
+        liger.TECHNIQUE.before_build(cell, cell.stack.uses[-1].opts)  # type: ignore[misc]
+        built = AutoModelForCausalLM.from_config(models.hf_config(models.get(name), cell.stack.setup.attn_implementation))
+        mlps = {type(m).__name__ for m in built.modules() if type(m).__name__.endswith("MLP")}
+    assert mlps == {"LigerGEGLUMLP" if family in ("gemma", "gemma2", "gemma3_text") else
+                    "LigerPhi3SwiGLUMLP" if family == "phi3" else "LigerSwiGLUMLP"}
     logits_bytes = 64 * 2 * 1024 * 2
     assert patched["peak_allocated_gib"] * 2**30 < baseline["peak_allocated_gib"] * 2**30 - logits_bytes
     assert dict(vars(module)) == before

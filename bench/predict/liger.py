@@ -52,11 +52,19 @@ def predicting(family: str) -> Iterator[None]:
         yield
 
 
+def modeling_module(family: str) -> str:
+    """The modeling module Liger patches for a family (model_type): gemma3_text's is gemma3's."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(family)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
 @contextlib.contextmanager
 def _patch_undone(family: str) -> Iterator[None]:
     import torch
 
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    module = importlib.import_module(modeling_module(family))
     names = dict(vars(module))
     forwards = {cls: cls.__dict__["forward"] for cls in names.values()
                 if isinstance(cls, type) and cls.__module__ == module.__name__ and "forward" in cls.__dict__}
@@ -99,7 +107,8 @@ def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: An
     import torch
     import triton
 
-    refused = [k for k in ("lse_square_scale", "label_smoothing", "softcap", "return_z_loss", "use_token_scaling",
+    # softcap (gemma2's final logit softcapping) is applied inside the kernel, to the logits in place: no buffer
+    refused = [k for k in ("lse_square_scale", "label_smoothing", "return_z_loss", "use_token_scaling",
                            "return_token_accuracy", "return_predicted_tokens", "ce_impl", "ce_mode",
                            "token_grad_output") if options.get(k)]
     if ce_weight is not None or bias is not None or refused:
