@@ -234,8 +234,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("step_tflop", "float", "PREDICTED floating-point operations of the last step run (a steady one), as the fake "
                             "run dispatches them (bench/predict/flops.py: matmuls and attention, recomputation "
                             "included, element-wise ops not; before fake-run/12, attention uncounted under torch "
-                            "< 2.15); empty where matmuls run in Triton or bitsandbytes kernels (liger, cce, qlora, "
-                            "int8_lora), TFLOP"),
+                            "< 2.15); empty where matmuls run in Triton or bitsandbytes kernels (cce, qlora, "
+                            "int8_lora; liger too before fake-run/13), TFLOP"),
     ("allocations", "int", "allocations in the fake run's trace"),
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "

@@ -1746,8 +1746,20 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
                                **found[s]} for s in stacks])
     path = plots._recompute(predicted.iloc[:0], predicted, tmp_path / "recompute.png")
     assert path is not None and path.stat().st_size > 10_000
-    liger = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("liger")), h100)
-    assert liger["status"] == "ok" and liger["step_tflop"] is None  # its matmuls run in Triton: not counted
+
+
+def test_liger_counts_the_matmuls_of_its_fused_loss() -> None:
+    """Liger's fused linear cross-entropy runs the output layer's three matmuls (the logits, the input's and the
+    weight's gradients) chunk by chunk, where the plain step runs them whole; its other kernels are element-wise,
+    which FLOPs do not count. So a stack with liger counts exactly the FLOPs of the same stack without it: two of
+    them the mirror writes in place, counted without being dispatched. Without a weight gradient (LoRA's frozen
+    output layer) one matmul fewer on both sides; under autocast (fp32 weights) the logits are dispatched."""
+    h100 = gpus.get("h100")
+    for stack in ("baseline", "gc", "lora", "mixed"):
+        plain, fused = (fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(s)), h100)
+                        for s in (stack, f"{stack} + liger".replace("baseline + ", "")))
+        assert fused["status"] == "ok", fused.get("error")
+        assert fused["step_tflop"] == plain["step_tflop"] > 0, stack
 
 
 def test_attention_on_a_cpu_counts_the_flops_of_the_gpus_attention() -> None:

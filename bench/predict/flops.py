@@ -49,6 +49,16 @@ def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return 2 * a[1] * a[2] * b[1]
 
 
+def count_undispatched_matmul(rows: int, inner: int, cols: int) -> None:
+    """A (rows x inner) @ (inner x cols) matmul a mirror of a GPU path stands for without dispatching it
+    (its output written in place on the GPU: bench/predict/liger.py), added to the FlopCount running."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, FlopCount):
+            mode.flops += 2 * rows * inner * cols
+
+
 class FlopCount(TorchDispatchMode):
     """While inside: `flops` sums the floating-point operations of every op with a known formula."""
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
-from . import triton_launch
+from . import flops, triton_launch
 
 MIRRORED_VERSION = "0.8.5"
 
@@ -134,7 +134,11 @@ def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: An
     for start in range(0, tokens, chunk_size):
         input_chunk = _input[start:start + chunk_size]
         # the kernel overwrites the logits with their gradient, in place
-        grad_logits = logits_storage[:len(input_chunk)] if logits_storage is not None else input_chunk @ weight.t()
+        if logits_storage is not None:  # written by an mm(out=) there, which allocates nothing here either
+            grad_logits = logits_storage[:len(input_chunk)]
+            flops.count_undispatched_matmul(len(input_chunk), _input.shape[1], vocab)
+        else:
+            grad_logits = input_chunk @ weight.t()
         if input_requires_grad:
             if mm_out:
                 torch.mm(grad_logits, weight, out=grad_input[start:start + chunk_size])
@@ -160,6 +164,7 @@ def _accumulate_weight_grad(grad_weight: Any, grad_logits: Any, input_chunk: Any
     if half and grad_weight.dtype in (torch.float32, grad_logits.dtype):
         if input_chunk.dtype != grad_logits.dtype:
             input_chunk.to(grad_logits.dtype)  # a temporary, freed after the in-place addmm
+        flops.count_undispatched_matmul(grad_logits.shape[1], grad_logits.shape[0], input_chunk.shape[1])
         return
     grad_weight += torch.mm(grad_logits.t(), input_chunk).float()
 
