@@ -1570,8 +1570,9 @@ def test_liger_patches_each_family_it_names(family: str, tmp_path: Path) -> None
     cell = make_cell(SMOKE, "cuda", name, 64, 2, parse_stack(f"{attention}liger"))
     patched = fake.predict_cell(cell, h100)
     assert patched["status"] == "ok", patched.get("error")
+    assert liger.TECHNIQUE.before_build is not None
     with liger_prediction.predicting(family), torch.device("meta"):
-        liger.TECHNIQUE.before_build(cell, cell.stack.uses[-1].opts)  # type: ignore[misc]
+        liger.TECHNIQUE.before_build(cell, cell.stack.uses[-1].opts)
         built = AutoModelForCausalLM.from_config(models.hf_config(models.get(name), cell.stack.setup.attn_implementation))
         mlps = {type(m).__name__ for m in built.modules() if type(m).__name__.endswith("MLP")}
     assert mlps == {"LigerGEGLUMLP" if family in ("gemma", "gemma2", "gemma3_text") else
