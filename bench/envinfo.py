@@ -98,6 +98,7 @@ def provenance(host: HostCaps) -> dict[str, object]:
         **gpu_info(host.cuda_devices),
         "cpu_name": cpu_name(),
         "python": platform.python_version(),
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED"),  # bench/hashseed.py pins it
         **{f"{name.replace('-', '_')}_version": v for name, v in versions().items()},
         "git_sha": sha,
         "git_dirty": dirty,

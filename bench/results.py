@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 9  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
+SCHEMA_VERSION = 10  # 2: repeat; 3: budget_gib, allocator_cap_gib; 4: checkpoint columns; 5: gpus, ranks, useful tokens;
 # 6: where the wall time goes (imports_s, imports_wait_s, build_s, first_step_s, warmup_s, teardown_s, preforked),
 # the phase timeline and the step trace; 7: host RSS around the checkpoint save; 8: segments_json;
-# 9: context_before_cell
+# 9: context_before_cell; 10: python_hash_seed
 STATUSES = ("ok", "oom", "host_oom", "skipped", "error", "timeout")
 
 # (column, type, definition). Types: str, int, float, bool.
@@ -126,6 +126,8 @@ SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("cuda", "str", "CUDA version torch was built with"),
     ("cpu_name", "str", "host CPU model"),
     ("python", "str", "Python version"),
+    ("python_hash_seed", "str", "PYTHONHASHSEED of the process that ran the cell: '0' since the suite pins it "
+                                "(bench/hashseed.py); empty before, when each process drew its own"),
     ("torch_version", "str", ""),
     ("transformers_version", "str", ""),
     ("peft_version", "str", ""),
@@ -142,13 +144,13 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 9  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 10  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
-# 8: fits_budgets_json; 9: least_torch_gib
+# 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
-    "cpu_name", "python", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
+    "cpu_name", "python", "python_hash_seed", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
     "liger_kernel_version", "bitsandbytes_version", "accelerate_version", "git_sha", "git_dirty"))
 PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("schema_version", "int", "version of this (predicted) schema"),

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from . import checkpoints, distributed, prebuild, ranks, results
+from . import checkpoints, distributed, hashseed, prebuild, ranks, results
 from .cells import Cell, Group, PlannedCell
 from .envinfo import REPO
 from .stacks import parse_stack
@@ -245,6 +245,7 @@ def _cell_env(cell: Cell) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",  # models come from shipped configs; never reach for a hub
+        hashseed.ENV: hashseed.HASH_SEED,  # set iteration order, hence allocation order, the same every run
         PRELOAD_MODEL_ENV: cell.model,  # the worker imports this model family's code before its cell
         PRELOAD_MODULES_ENV: ",".join(cell.stack.preload),  # and the slow imports of its stack's builds
     }

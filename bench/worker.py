@@ -67,7 +67,8 @@ def main() -> None:
     request = json.loads(line)
     imports = {"imports_s": imported_at - _process_started_at(),
                "imports_wait_s": max(0.0, imported_at - request["handed_over_at"]),
-               "context_before_cell": _holds_cuda_context()}
+               "context_before_cell": _holds_cuda_context(),
+               "python_hash_seed": os.environ.get("PYTHONHASHSEED")}  # this process's, over the runner's
     measured = imports | run_cell(Cell.from_json(request["cell"]))
     out = Path(request["out"])
     results.write_json_atomic(results.rank_path(out, distributed.rank()) if request_file else out, measured)

@@ -241,3 +241,19 @@ def test_only_cells_that_choose_deepspeeds_adam_need_a_jit_build() -> None:
     assert prebuild.ops_needed([cell("zero3(adam=deepspeed)")]) == ("FusedAdamBuilder",)
     assert prebuild.ops_needed([cell("zero2(adam=deepspeed) + offload"),
                                 cell("zero3(adam=deepspeed)", "cpu")]) == ("CPUAdamBuilder", "FusedAdamBuilder")
+
+
+def test_every_process_of_the_suite_runs_under_one_hash_seed() -> None:
+    """A set of strings iterates in hash order, and model code allocates in that order (Gemma 3's RoPE
+    tables): a process with its own seed may peak differently. The CLI pins the seed whatever it was
+    started with, before anything runs."""
+    probe = "from bench import hashseed; hashseed.pin(); print(hash('sliding_attention'))"
+    started_with = ({**os.environ, "PYTHONHASHSEED": seed} for seed in ("1", "2", "random"))
+    hashes = {subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                             check=True).stdout for env in started_with}
+    assert len(hashes) == 1
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    shown = subprocess.run([sys.executable, "-m", "bench", "env"], cwd=REPO, env=env, capture_output=True, text=True,
+                           check=True, timeout=300)
+    assert json.loads(shown.stdout)["python_hash_seed"] == "0"

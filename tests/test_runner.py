@@ -37,6 +37,7 @@ def test_tiny_matrix_end_to_end_then_resume_runs_nothing(workdir: Path) -> None:
     rows = raw_rows(workdir, "t1")
     assert len(rows) == 8
     assert {r["status"] for r in rows.values()} == {"ok"}, [r["error"] for r in rows.values()]
+    assert {r["python_hash_seed"] for r in rows.values()} == {"0"}  # each worker's own (bench/hashseed.py)
 
     table = pd.read_parquet(workdir / "results" / "tiny" / "runs" / "t1.parquet")
     assert len(table) == 8 and (table.tokens_per_s > 0).all() and (table.host_rss_peak_gib > 0).all()
