@@ -106,7 +106,8 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
     *(("tiny-llama", stack) for stack in ["baseline", "gc + lora", "lora(adapter_dtype=bf16)", "mixed", "grad_accum",
                                           "padding", "packing", "eager_attention", "adamw(impl=foreach)", "qlora",
                                           "gc + qlora", "galore(rank=8)", "apollo(rank=8)",
-                                          "apollo(rank=1, scale_type=tensor)"]),
+                                          "apollo(rank=1, scale_type=tensor)", "adafactor",
+                                          "adafactor(impl=forloop)"]),
     *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora"]),
 ])
 def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> None:
@@ -1212,6 +1213,22 @@ def test_bitsandbytes_8bit_adamw_runs_on_fake_tensors_as_on_real_ones() -> None:
     for phase, nbytes in fake_counter.phase_peaks.items():
         if phase != "build":
             assert 0 <= real_counter.phase_peaks[phase] - nbytes <= 2 * 1024, phase
+
+
+def test_adafactors_foreach_step_rebuilds_every_matrix_at_the_weights_size_at_once() -> None:
+    """Adafactor keeps a row and a column per matrix: a sliver of AdamW's state. But its step rebuilds each
+    matrix's second moment at the weight's size, and the foreach step (torch's on a GPU) does so for every
+    matrix at once: its peak exceeds the for-loop's, which holds one at a time, by all but the largest."""
+    peaks, states = {}, {}
+    for impl in ("foreach", "forloop"):
+        cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(f"adafactor(impl={impl})"))
+        counter, built, states[impl] = fake.counted_run(cell, Workspaces())
+        peaks[impl] = counter.phase_peaks["measure/optimizer"]
+    _, _, adamw_state = fake.counted_run(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("baseline")),
+                                         Workspaces())
+    matrices = [p.numel() * p.element_size() for p in built.model.parameters() if p.dim() > 1]
+    assert 0.9 * (sum(matrices) - max(matrices)) <= peaks["foreach"] - peaks["forloop"] <= sum(matrices)
+    assert states["foreach"] == states["forloop"] < adamw_state / 50
 
 
 def test_the_breakdown_at_the_peak_adds_up_and_names_the_roles() -> None:

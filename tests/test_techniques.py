@@ -77,7 +77,8 @@ matrices:
              gc + activation_offload(min_bytes=0), selective_gc, "selective_gc(every=1, ops=matmuls)", lora, dora,
              torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile,
              galore(rank=8), "apollo(rank=1, scale_type=tensor)", cce, cce(impl=torch_compile),
-             gc + cce(impl=torch_compile), compile(scope=model), "compile(scope=model, memory_budget=0)"]
+             gc + cce(impl=torch_compile), compile(scope=model), "compile(scope=model, memory_budget=0)",
+             adafactor, adafactor(impl=forloop), ddp + adafactor]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -151,6 +152,15 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         assert json.loads(rows[stack]["evidence_json"])[f"{name}_projected_params"] == 14
         assert rows[stack]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"]
         assert losses[stack][0] == pytest.approx(base[0], rel=1e-3)
+
+    # Adafactor: a row and a column per matrix (tiny-llama: 2 layers x 7, the embedding and output layer), a whole
+    # second moment per norm (2 layers x 2, the final one); the first loss is before any update
+    for stack in ("adafactor", "adafactor(impl=forloop)", "adafactor + ddp"):
+        evidence = json.loads(rows[stack]["evidence_json"])
+        assert (evidence["adafactor_factored_params"], evidence["adafactor_vector_params"]) == (16, 5), stack
+        assert rows[stack]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"] / 50, stack
+        assert losses[stack][0] == pytest.approx(base[0], rel=1e-3), stack
+    assert losses["adafactor"] == pytest.approx(losses["adafactor(impl=forloop)"], rel=1e-3)  # the same update
 
     cut = json.loads(rows["cce(impl=torch_compile)"]["evidence_json"])
     assert (cut["cce_impl"], cut["cce_model"]) == ("torch_compile", "LlamaForCausalLM")

@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import distributed
 from ..techniques.base import Evidence
 from .base import EngineJob
-from .plain import PlainEngine, make_optimizer
+from .plain import PlainEngine, make_optimizer, optimizer_evidence
 
 
 class DdpEngine(PlainEngine):
@@ -44,7 +44,8 @@ def wrap(job: EngineJob) -> tuple[DdpEngine, Evidence]:
         "ddp_gradient_as_bucket_view": opts["bucket_view"],
         "ddp_static_graph": _reentrant_checkpointing(job),
     }
-    return DdpEngine(model, make_optimizer(list(job.trainable), job.setup, job.uses)), evidence
+    optimizer = make_optimizer(list(job.trainable), job.setup, job.uses)
+    return DdpEngine(model, optimizer), evidence | optimizer_evidence(optimizer)
 
 
 def _reentrant_checkpointing(job: EngineJob) -> bool:

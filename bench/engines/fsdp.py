@@ -21,7 +21,7 @@ from typing import Any
 from .. import deferred, distributed
 from ..techniques.base import Evidence
 from .base import EngineJob
-from .plain import PlainEngine, make_optimizer
+from .plain import PlainEngine, make_optimizer, optimizer_evidence
 
 
 class FsdpEngine(PlainEngine):
@@ -75,7 +75,7 @@ def wrap(job: EngineJob) -> tuple[FsdpEngine, Evidence]:
         "fsdp_init": "deferred" if job.deferred is not None else "whole model first",
     }
     optimizer = make_optimizer([p for p in params if p.requires_grad], job.setup, job.uses)
-    return FsdpEngine(model, optimizer), evidence
+    return FsdpEngine(model, optimizer), evidence | optimizer_evidence(optimizer)
 
 
 def _layer_classes(model: Any) -> set[str]:

@@ -44,8 +44,12 @@ class PlainEngine:
 
 def wrap(job: EngineJob) -> tuple[PlainEngine, Evidence]:
     optimizer = make_optimizer(list(job.trainable), job.setup, job.uses)
-    evidence = optimizer.evidence() if hasattr(optimizer, "evidence") else {}  # an optimizer technique's proof
-    return PlainEngine(job.model, optimizer), evidence
+    return PlainEngine(job.model, optimizer), optimizer_evidence(optimizer)
+
+
+def optimizer_evidence(optimizer: Any) -> Evidence:
+    """An optimizer technique's proof that it built the optimizer (torchao's class, Adafactor's factors)."""
+    return optimizer.evidence() if hasattr(optimizer, "evidence") else {}
 
 
 def make_optimizer(params: list[Any], setup: TrainSetup, uses: tuple[tuple[Technique, Options], ...]) -> Any:

@@ -49,7 +49,22 @@ from typing import Any
 
 from .. import data, distributed, measure, models, segments, trainer
 from ..cells import Cell
-from . import allocator, attention, bnb, cce, ddp, embedding, fsdp_offload, hybrid, liger, lowrank, reduction, save, zero_states
+from . import (
+    adafactor,
+    allocator,
+    attention,
+    bnb,
+    cce,
+    ddp,
+    embedding,
+    fsdp_offload,
+    hybrid,
+    liger,
+    lowrank,
+    reduction,
+    save,
+    zero_states,
+)
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
@@ -313,7 +328,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
-            FakeTensorMode() as mode, counter:
+            adafactor.predicting(cell.stack.names), FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)

@@ -1,0 +1,56 @@
+"""torch's Adafactor (`torch.optim.Adafactor`): the second moment factored, and no first moment.
+
+Saves: optimizer state. AdamW keeps two moments the size of every parameter (4 B/param in pure bf16);
+Adafactor keeps, for each weight matrix, the running mean of its squared gradient per row and per column
+(a 3072 x 8192 projection: 11,264 values, not 2 x 25.2 M), and a whole second moment only for vectors
+(the norms): a few KiB a layer. Costs: its step reads two norms of each parameter back to the host (two
+device synchronisations a parameter), and rebuilds each matrix's second moment from its factors at the
+weight's full size: `impl=foreach` (torch's choice on a GPU) rebuilds every matrix at once, a temporary at
+the optimizer step the size of all the weights (2 B/param in pure bf16, about what AdamW's second moment
+holds); `forloop` one matrix at a time. Not exact: no momentum, and a step relative to each weight's norm
+(`lr` caps it), so the losses leave AdamW's after the first step.
+Predicted: the step runs on fake tensors, its reads of a number answered (bench/predict/adafactor.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Evidence, Options, Phase, Technique, TrainSetup
+
+
+class Evidenced:
+    """torch's Adafactor, with the evidence the engine records: how many parameters it factors."""
+
+    def __init__(self, optimizer: Any, impl: str):
+        self.optimizer, self.impl = optimizer, impl
+
+    def __getattr__(self, attr: str) -> Any:  # step, zero_grad, state, state_dict, param_groups: torch's
+        return getattr(self.optimizer, attr)
+
+    def evidence(self) -> Evidence:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {"adafactor_impl": self.impl, "adafactor_factored_params": sum(p.dim() > 1 for p in params),
+                "adafactor_vector_params": sum(p.dim() <= 1 for p in params)}
+
+
+def make(params: list[Any], setup: TrainSetup, opts: Options) -> Evidenced:
+    import torch
+
+    foreach = opts["impl"] == "foreach"  # pinned, as AdamW's is: torch's default depends on the device
+    return Evidenced(torch.optim.Adafactor(params, lr=setup.lr, foreach=foreach), opts["impl"])
+
+
+TECHNIQUE = Technique(
+    name="adafactor",
+    summary="torch Adafactor: second moment factored per row and column, no first: ~0 B/param of optimizer "
+            "state (foreach: a step temporary the size of the weights)",
+    phase=Phase.OPTIMIZER,
+    slot="optimizer",
+    options={"impl": "foreach"},
+    choices={"impl": ("foreach", "forloop")},
+    # DeepSpeed owns the optimizer; on FSDP2's sharded parameters torch's step fails (torch 2.13: no sharding
+    # propagation for squaring a norm of a DTensor shard)
+    conflicts=("zero2", "zero3", "fsdp"),
+    make_optimizer=make,
+)
