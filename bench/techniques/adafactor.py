@@ -43,8 +43,7 @@ def make(params: list[Any], setup: TrainSetup, opts: Options) -> Evidenced:
 
 TECHNIQUE = Technique(
     name="adafactor",
-    summary="torch Adafactor: second moment factored per row and column, no first: ~0 B/param of optimizer "
-            "state (foreach: a step temporary the size of the weights)",
+    summary="torch Adafactor: 2nd moment factored by row and column, no 1st: ~0 B/param of state; foreach: step temps",
     phase=Phase.OPTIMIZER,
     slot="optimizer",
     options={"impl": "foreach"},
