@@ -201,7 +201,8 @@ def worst_miss_over_headroom(a: Answer) -> float | None:
 def unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
     """A line for each way no cell of the record is like this one, so that the record says little of how
     it is predicted: another architecture (its config's model_type: other ops, a mixture of experts' grouped
-    matmuls, another attention), another number of ranks (other collectives and buffers)."""
+    matmuls, another attention), another number of ranks (other collectives and buffers), a technique none of
+    them used (its own ops: an optimizer's step, a kernel's wrapper)."""
     lines = []
     kinds = {models.get(name).hf_fields["model_type"] for name in r.models if name in models.registry()}
     mine = models.get(cell.model).hf_fields["model_type"]
@@ -211,6 +212,10 @@ def unlike_the_record(cell: Cell, r: predict_report.Record) -> list[str]:
     if r.gpus and cell.gpus not in r.gpus:
         lines.append(f"  none of those cells ran on {cell.gpus} GPUs (theirs: {', '.join(map(str, r.gpus))}): how "
                      "predictions at this many ranks fare is not measured yet")
+    unmeasured = [name for name in cell.stack.names if name not in r.techniques]
+    if r.techniques and unmeasured:
+        lines.append(f"  none of those cells used {' or '.join(unmeasured)}: how predictions of "
+                     f"{'its' if len(unmeasured) == 1 else 'their'} own ops fare on a GPU is not measured yet")
     return lines
 
 

@@ -34,8 +34,8 @@ LEGEND = (
     "TFLOP a step: the matmuls and attention the fake run dispatched, recomputation included (empty where they run "
     "in kernels it cannot count): compute, not time",
     "record: predicted - measured peak reserved over measured, on the published GPU cells (how many) predicted as "
-    "this stack was; ?: none of them is of this model's architecture or ran on this many GPUs, so how its "
-    "prediction fares is not measured; *: a miss as large as its worst would not fit",
+    "this stack was; ?: this model's architecture, one of this stack's techniques or this many GPUs is in none of "
+    "them, so how its prediction fares is not measured; *: a miss as large as its worst would not fit",
     "measured: a published GPU run's, on this GPU kind (several: the largest reserved, the least tokens/s)")
 
 
@@ -81,7 +81,7 @@ def row(a: ask.Answer) -> dict[str, str]:
 
 def _record(a: ask.Answer) -> str:
     """How the published GPU cells predicted as this one was fared: their peak reserved errors' range, marked
-    "?" where none of them is of this model's architecture or ran on this many GPUs."""
+    "?" where this model's architecture, one of its techniques or this many GPUs is in none of them."""
     r = a.record
     if r is None:
         return ""

@@ -262,6 +262,13 @@ def test_a_record_of_other_architectures_or_ranks_says_this_ones_predictions_are
     eight, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, "zero3", gpus=8))
     assert ("none of those cells ran on 8 GPUs (theirs: 1): how predictions at this many ranks fare is not measured "
             "yet") in ask.text(replace(_answer(**row), cell=eight, record=one_gpu))
+    # and for a technique none of them used: its own ops (an optimizer's step) are not checked by theirs
+    used = replace(record, techniques=("gc", "lora"))
+    adafactor, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, "gc + adafactor"))
+    assert ("none of those cells used adafactor: how predictions of its own ops fare on a GPU is not measured "
+            "yet") in ask.text(replace(_answer(**row), cell=adafactor, record=used))
+    gc, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, "gc"))
+    assert "none of those cells used" not in ask.text(replace(_answer(**row), cell=gc, record=used))
 
 
 def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from .. import results, segments
+from ..stacks import parse_stack
 from ..views import by_cell, code_cell
 from .gpus import GPUS
 
@@ -267,15 +268,16 @@ class Record:
     - measured over measured; and the errors of that kind's predictions made before a GPU ran their cells
     (by the methods of the time: a new cell's prediction is one too). Offload sets a kind apart: with it,
     host-device copies and the frees that wait on them are where the hybrid's peak reserved misses most
-    (PREDICTION.md). `models` and `gpus`: the models and rank counts of the cells behind `reserved_errors` (a
-    record is of them: a cell of another architecture runs ops none of them ran, one on more ranks other
-    collectives and buffers)."""
+    (PREDICTION.md). `models`, `gpus` and `techniques`: the models, rank counts and techniques of the cells
+    behind `reserved_errors` (a record is of them: a cell of another architecture runs ops none of them ran, one
+    on more ranks other collectives and buffers, one with another technique that technique's own ops)."""
 
     kind: str
     reserved_errors: tuple[float, ...]
     reserved_errors_before_run: tuple[float, ...] = ()
     models: tuple[str, ...] = ()
     gpus: tuple[int, ...] = ()
+    techniques: tuple[str, ...] = ()
 
 
 def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
@@ -295,9 +297,11 @@ def record(results_dir: Path, method: str, gpus: int, offload: bool) -> Record:
         return same[same["reserved_error_frac"].notna()]
 
     checked, checked_before = alike(now), alike(before)
+    techniques = {name for label in set(checked.get("stack", ())) for name in parse_stack(label).names}
     return Record(kind, tuple(map(float, checked.get("reserved_error_frac", ()))),
                   tuple(map(float, checked_before.get("reserved_error_frac", ()))),
-                  tuple(sorted(set(checked.get("model", ())))), tuple(sorted({int(g) for g in checked.get("gpus", ())})))
+                  tuple(sorted(set(checked.get("model", ())))), tuple(sorted({int(g) for g in checked.get("gpus", ())})),
+                  tuple(sorted(techniques)))
 
 
 @functools.lru_cache(maxsize=4)
