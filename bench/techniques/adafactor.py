@@ -16,29 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Evidence, Options, Phase, Technique, TrainSetup
-
-
-class Evidenced:
-    """torch's Adafactor, with the evidence the engine records: how many parameters it factors."""
-
-    def __init__(self, optimizer: Any, impl: str):
-        self.optimizer, self.impl = optimizer, impl
-
-    def __getattr__(self, attr: str) -> Any:  # step, zero_grad, state, state_dict, param_groups: torch's
-        return getattr(self.optimizer, attr)
-
-    def evidence(self) -> Evidence:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return {"adafactor_impl": self.impl, "adafactor_factored_params": sum(p.dim() > 1 for p in params),
-                "adafactor_vector_params": sum(p.dim() <= 1 for p in params)}
+from ._evidenced import Evidenced
+from .base import Options, Phase, Technique, TrainSetup
 
 
 def make(params: list[Any], setup: TrainSetup, opts: Options) -> Evidenced:
     import torch
 
     foreach = opts["impl"] == "foreach"  # pinned, as AdamW's is: torch's default depends on the device
-    return Evidenced(torch.optim.Adafactor(params, lr=setup.lr, foreach=foreach), opts["impl"])
+    factored = sum(p.dim() > 1 for p in params)  # a row and a column each; the others a whole second moment
+    return Evidenced(torch.optim.Adafactor(params, lr=setup.lr, foreach=foreach),
+                     {"adafactor_impl": opts["impl"], "adafactor_factored_params": factored,
+                      "adafactor_vector_params": len(params) - factored})
 
 
 TECHNIQUE = Technique(

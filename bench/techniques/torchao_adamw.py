@@ -14,32 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._evidenced import Evidenced
 from .base import Options, Phase, Technique, TrainSetup
 
 OPTIMIZERS = {"int8": "AdamW8bit", "int4": "AdamW4bit", "fp8": "AdamWFp8"}  # the moments' format -> class
-
-
-class Evidenced:
-    """The torchao optimizer, with the evidence the engine records: which class, and its block size."""
-
-    def __init__(self, optimizer: Any, name: str):
-        self.optimizer, self.name = optimizer, name
-
-    def __getattr__(self, attr: str) -> Any:  # step, zero_grad, state, state_dict, param_groups: torchao's
-        return getattr(self.optimizer, attr)
-
-    def evidence(self) -> dict[str, Any]:
-        import torchao
-
-        return {"torchao_optimizer": self.name, "torchao_block_size": self.optimizer.block_size,
-                "torchao_version": torchao.__version__}
 
 
 def make(params: list[Any], setup: TrainSetup, opts: Options) -> Evidenced:
     import torchao.optim
 
     name = OPTIMIZERS[opts["state"]]
-    return Evidenced(getattr(torchao.optim, name)(params, lr=setup.lr), name)
+    optimizer = getattr(torchao.optim, name)(params, lr=setup.lr)
+    return Evidenced(optimizer, {"torchao_optimizer": name, "torchao_block_size": optimizer.block_size,
+                                 "torchao_version": torchao.__version__})
 
 
 TECHNIQUE = Technique(
