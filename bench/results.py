@@ -144,10 +144,11 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 10  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 11  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
-# 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed
+# 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed; 11: step_ops, step_kernels, step_compute_tflop,
+# step_memory_gb
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "python_hash_seed", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -238,6 +239,11 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                             "included, element-wise ops not; before fake-run/12, attention uncounted under torch "
                             "< 2.15); empty where matmuls run in Triton or bitsandbytes kernels (cce, qlora, "
                             "int8_lora; liger too before fake-run/13), TFLOP"),
+    ("step_ops", "int", "ops the last step dispatched (views included): the host's share of the predicted step time "
+                        "(bench/predict/steptime.py); empty before fake-run/14 and where step_tflop is"),
+    ("step_kernels", "int", "of step_ops, those that launch a GPU kernel (Triton launches included)"),
+    ("step_compute_tflop", "float", "FLOPs of the compute-bound kernels (above 256 FLOPs a byte moved), TFLOP"),
+    ("step_memory_gb", "float", "bytes the memory-bound kernels read and write (each input and output once), GB"),
     ("allocations", "int", "allocations in the fake run's trace"),
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "

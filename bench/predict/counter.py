@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..measure import storage_tensors
 from .pinned import PinnedHostCache
+from .steptime import StepWork
 
 BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple of this
 # Memory counted apart from the device allocator's: pinned host memory (bench/predict/pinned.py), pageable
@@ -100,14 +101,14 @@ class GradientReady:
 @dataclass(frozen=True)
 class StepEnd:
     """Where a step ended in the trace: its stage, its batch's positions per row, the event count and
-    the bytes alive then; and the floating-point operations the step dispatched (bench/predict/flops.py:
-    matmuls and attention, recomputation included; 0 where not counted)."""
+    the bytes alive then; and the work the step dispatched (bench/predict/flops.py: its FLOPs, matmuls and
+    attention, recomputation included; its ops and kernels; None where not counted)."""
 
     stage: str
     positions: int
     event: int
     live_bytes: int
-    flops: int = 0
+    work: StepWork | None = None
 
 
 @dataclass(frozen=True)
@@ -478,10 +479,10 @@ class MemoryCounter(TorchDispatchMode):
         self._hooks += [m.register_forward_hook(after_forward) for m in model.modules()
                                  if next(m.parameters(recurse=False), None) is not None]
 
-    def step_done(self, stage: str, positions: int, flops: int = 0) -> None:
+    def step_done(self, stage: str, positions: int, work: StepWork | None = None) -> None:
         """A step ended (the trainer's Phases protocol, as the worker's tracker has it)."""
         self._settle()
-        self.steps.append(StepEnd(stage, positions, self.events, self.live_bytes, flops))
+        self.steps.append(StepEnd(stage, positions, self.events, self.live_bytes, work))
 
     def finish(self) -> None:
         """After the last step: the optimizer's state of that step is known too."""

@@ -68,6 +68,7 @@ from . import (
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
 from .flops import FlopCount
 from .gpus import GpuKind
+from .steptime import StepWork
 
 STAGES = ("first_step", "measure")  # the steps run: the first, and one standing for all the others
 AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
@@ -162,11 +163,20 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "total_params": built.total_params,
         "trainable_params": built.trainable_params,
         "flops_per_token": built.flops_per_token,
-        "step_tflop": None if set(cell.stack.names) & UNCOUNTED_FLOPS else counter.steps[-1].flops / 1e12,
+        **_work(cell, counter.steps[-1].work),
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
         **_host(cell, counter),
     }
+
+
+def _work(cell: Cell, work: StepWork | None) -> dict[str, Any]:
+    """The last step's work (a steady one): its FLOPs, and what its time is predicted from (bench/predict/
+    steptime.py); none where kernels the dispatcher does not see do work it cannot count."""
+    if work is None or set(cell.stack.names) & UNCOUNTED_FLOPS:
+        return {}
+    return {"step_tflop": work.flops / 1e12, "step_ops": work.ops, "step_kernels": work.kernels,
+            "step_compute_tflop": work.compute_flops / 1e12, "step_memory_gb": work.memory_bytes / 1e9}
 
 
 def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib: float) -> dict[str, Any]:
@@ -356,7 +366,7 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     for stage, batch in _stepped(cell, built, batches):
         with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
-        counter.step_done(stage, batch.input_ids.shape[-1], counted.flops)
+        counter.step_done(stage, batch.input_ids.shape[-1], counted.work())
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 

@@ -5,6 +5,10 @@ matmul a mixture of experts runs its experts by. Recomputation under
 activation checkpointing runs through the dispatcher again, so it is counted: what a checkpointing
 policy costs in compute.
 
+Beside the FLOPs, what a step's time is predicted from (bench/predict/steptime.py): how many ops the
+host dispatched, how many of them launch a kernel, and each kernel's bytes and FLOPs, summed as a
+roofline sorts them (compute-bound: its FLOPs; memory-bound: its bytes).
+
 Not FlopCounterMode itself: its module tracker hooks every module's backward, and under activation
 checkpointing that keeps the recomputed layers alive together (the fake run of `gc` at Llama-3.2-3B
 seq 2048 batch 2 peaked at 32.9 GiB with it, 25.5 without: the GPU's figure).
@@ -15,6 +19,18 @@ from __future__ import annotations
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .steptime import StepWork
+
+# Where a roofline turns from memory-bound to compute-bound, FLOPs a byte moved: an H100's or H200's dense bf16 rate
+# over its memory bandwidth (989 TFLOP/s over 3.35 or 4.8 TB/s: 295 or 206), rounded. A kernel above it counts its
+# FLOPs, one below its bytes: a rank-16 LoRA matmul over a long sequence is memory-bound, a projection is not.
+RIDGE_FLOP_PER_BYTE = 256
+
+# Ops that launch no kernel on a GPU though they are not views (torch's is_view): an allocation, a reshape of
+# metadata. Their dispatch costs host time all the same.
+NO_KERNEL_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                           "lift_fresh", "_reshape_alias", "resize_", "set_", "_local_scalar_dense"})
 
 # sdpa's attention kernels, forward and backward: the fake run dispatches the CPU's, a GPU one of the others.
 # They are counted here, not by torch's registry: its formulas come for the CPU's only from torch 2.15 on (before,
@@ -49,38 +65,81 @@ def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return 2 * a[1] * a[2] * b[1]
 
 
+def _running() -> list[FlopCount]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, FlopCount)]
+
+
 def count_undispatched_matmul(rows: int, inner: int, cols: int) -> None:
     """A (rows x inner) @ (inner x cols) matmul a mirror of a GPU path stands for without dispatching it
     (its output written in place on the GPU: bench/predict/liger.py), added to the FlopCount running."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    for mode in _running():
+        mode.flops += 2 * rows * inner * cols
+        mode.kernels += 1
+        mode.compute_flops += 2 * rows * inner * cols
 
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, FlopCount):
-            mode.flops += 2 * rows * inner * cols
+
+def count_undispatched_kernel(tensors: list[Any]) -> None:
+    """A kernel the dispatcher does not see (a Triton launch: bench/predict/triton_launch.py), added to the
+    FlopCount running as one memory-bound kernel reading or writing each of its tensors once."""
+    for mode in _running():
+        mode.kernels += 1
+        mode.memory_bytes += sum(_nbytes(t) for t in tensors)
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * tensor.element_size()
+
+
+def _tensors(tree: Any) -> list[Any]:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 class FlopCount(TorchDispatchMode):
-    """While inside: `flops` sums the floating-point operations of every op with a known formula."""
+    """While inside: `flops` sums the floating-point operations of every op with a known formula;
+    `ops` counts the ops dispatched, `kernels` those that launch a kernel on a GPU, and of those,
+    `compute_flops` sums the FLOPs of the compute-bound and `memory_bytes` the bytes (inputs and
+    outputs) of the memory-bound (RIDGE_FLOP_PER_BYTE)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
+        self.ops = 0
+        self.kernels = 0
+        self.compute_flops = 0
+        self.memory_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.utils.flop_counter import flop_registry
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.name() == "aten::_grouped_mm":
-            self.flops += grouped_mm_flops(tuple(args[0].shape), tuple(args[1].shape))
-            return out
-        if func._opname in ATTENTION_OPS:
-            self.flops += attention_flops(args[0], args[1], args[2], backward=False)
-            return out
-        if func._opname in ATTENTION_BACKWARD_OPS:  # (the output's gradient, query, key, value, ...)
-            self.flops += attention_flops(args[1], args[2], args[3], backward=True)
-            return out
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+        flops = self._op_flops(func, args, kwargs, out)
+        self.flops += flops
+        self.ops += 1
+        if not func.is_view and func._opname not in NO_KERNEL_OPS:
+            self.kernels += 1
+            moved = sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+            if flops > RIDGE_FLOP_PER_BYTE * moved:
+                self.compute_flops += flops
+            else:
+                self.memory_bytes += moved
         return out
+
+    def work(self) -> StepWork:
+        return StepWork(self.flops, self.ops, self.kernels, self.compute_flops, self.memory_bytes)
+
+    @staticmethod
+    def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        from torch.utils.flop_counter import flop_registry
+
+        if func.name() == "aten::_grouped_mm":
+            return grouped_mm_flops(tuple(args[0].shape), tuple(args[1].shape))
+        if func._opname in ATTENTION_OPS:
+            return attention_flops(args[0], args[1], args[2], backward=False)
+        if func._opname in ATTENTION_BACKWARD_OPS:  # (the output's gradient, query, key, value, ...)
+            return attention_flops(args[1], args[2], args[3], backward=True)
+        formula = flop_registry.get(func._overloadpacket)
+        return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
