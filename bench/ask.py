@@ -37,6 +37,7 @@ from .cells import Cell
 from .predict import gpus
 from .predict import report as predict_report
 from .predict import runner as predict_runner
+from .predict import steptime
 
 # What a caller's exit code says (the CLI returns it): the verdict on the card and the host.
 EXIT_CODES = {"fits": 0, "not judged": 0, "does not fit": 1, "host_oom": 1, "not predicted": 3}
@@ -266,13 +267,30 @@ def _predicted_lines(a: Answer) -> list[str]:
     if p.get("trainable_params"):  # what the stack trains: LoRA on a mixture of experts adapts every expert
         lines.append(f"  trainable       {param_count(p['trainable_params'])} parameters, each with its gradient and "
                      "optimizer state")
-    if p.get("step_tflop") is not None:  # compute, not time: kernels' speeds differ (an 8-bit optimizer's step)
+    if p.get("step_tflop") is not None:
         lines.append(f"  compute         {p['step_tflop']:8.2f} TFLOP a step: the matmuls and attention the fake run "
-                     "dispatched, recomputation included; how long the step takes is not predicted")
+                     "dispatched, recomputation included")
+    lines.append(_step_time_line(a))
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
         lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  {held} and worker processes")
     return lines
+
+
+def _step_time_line(a: Answer) -> str:
+    """The predicted step time and tokens/s (bench/predict/steptime.py), or why there is none."""
+    ms = steptime.predicted_ms(a.predicted, a.card.key, a.cell.stack.names, a.cell.gpus)
+    rates = steptime.RATES.get(a.card.key)
+    if ms is None:
+        why = (f"no {a.card.name} has measured steps to fit its rates on" if rates is None else
+               steptime.unsupported_reason(a.cell.stack.names, a.cell.gpus) or "the step's work was not counted")
+        return f"  step time       not predicted: {why}"
+    tokens_per_s = a.cell.batch_size * a.cell.seq_len / (ms / 1000)
+    work = steptime.work_of(a.predicted)
+    assert rates is not None and work is not None  # else predicted_ms is None
+    return (f"  step time       {ms:8.0f} ms    {tokens_per_s:,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
+            f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.fitted_on}; a cell "
+            f"left out of the fit: {rates.left_out}")
 
 
 def _paged_state_gib(p: dict[str, Any], card: gpus.GpuKind) -> float:

@@ -89,7 +89,9 @@ def count_undispatched_kernel(tensors: list[Any]) -> None:
 
 
 def _nbytes(tensor: Any) -> int:
-    return int(tensor.numel()) * tensor.element_size()
+    """The bytes a kernel reads or writes of a tensor: its elements, but no more than its storage holds (an
+    expanded tensor repeats its elements without reading them again)."""
+    return min(int(tensor.numel()) * tensor.element_size(), tensor.untyped_storage().nbytes())
 
 
 def _tensors(tree: Any) -> list[Any]:
@@ -121,12 +123,22 @@ class FlopCount(TorchDispatchMode):
         self.ops += 1
         if not func.is_view and func._opname not in NO_KERNEL_OPS:
             self.kernels += 1
-            moved = sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+            moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out)
             if flops > RIDGE_FLOP_PER_BYTE * moved:
                 self.compute_flops += flops
             else:
                 self.memory_bytes += moved
         return out
+
+    @staticmethod
+    def _written_bytes(func: Any, args: Any, out: Any) -> int:
+        """The bytes an op writes: its outputs; an in-place op that returns nothing (`_foreach_add_`) writes
+        the arguments its schema marks as written."""
+        written = _tensors(out)
+        if not written:
+            marked = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+            written = _tensors([args[i] for i in marked if i < len(args)])
+        return sum(_nbytes(t) for t in written)
 
     def work(self) -> StepWork:
         return StepWork(self.flops, self.ops, self.kernels, self.compute_flops, self.memory_bytes)

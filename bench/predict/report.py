@@ -20,6 +20,7 @@ import pandas as pd
 from .. import results, segments
 from ..stacks import parse_stack
 from ..views import by_cell, code_cell
+from . import steptime_report
 from .gpus import GPUS
 
 GPU_NAMES = {key: kind.name for key, kind in GPUS.items()}  # --gpu's key -> the name NVML gives measured rows
@@ -195,6 +196,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFram
                          f"{_signed(r['reserved_error_frac'])} | "
                          f"{r['peak_phase']} / {r['peak_phase_predicted']} ({r['peak_op']}) |")
         lines.append("")
+    lines += steptime_report.section(both)
     if len(unsupported):
         lines += ["## Measured cells the fake run does not cover yet", "", "| cell | why |", "|---|---|"]
         for _, r in unsupported.iterrows():

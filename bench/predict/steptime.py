@@ -19,8 +19,9 @@ ZeRO engine's own work: those cells are not predicted (`unsupported_reason`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,54 @@ class StepRates:
     kernel_us: float  # device time a kernel costs beyond its FLOPs or bytes, µs
     op_us: float  # host time a dispatched op costs (Python, autograd, the dispatcher), µs
     fitted_on: str  # the measured run(s) and cells they were fitted to
+    left_out: str = ""  # the errors of those cells, each predicted by rates fitted to the others
 
 
 def step_ms(work: StepWork, rates: StepRates) -> float:
     """The predicted step time, ms: the larger of the device's time and the host's."""
-    device_s = (work.compute_flops / (rates.matmul_tflops * 1e12) + work.memory_bytes / (rates.memory_gbps * 1e9)
-                + work.kernels * rates.kernel_us * 1e-6)
-    host_s = work.ops * rates.op_us * 1e-6
-    return 1000 * max(device_s, host_s)
+    return max(device_ms(work, rates), host_ms(work, rates))
+
+
+def device_ms(work: StepWork, rates: StepRates) -> float:
+    return 1000 * (work.compute_flops / (rates.matmul_tflops * 1e12) + work.memory_bytes / (rates.memory_gbps * 1e9)
+                   + work.kernels * rates.kernel_us * 1e-6)
+
+
+def host_ms(work: StepWork, rates: StepRates) -> float:
+    return 1000 * work.ops * rates.op_us * 1e-6
+
+
+def bound(work: StepWork, rates: StepRates) -> str:
+    """Which of the two sets the predicted pace: "device" or "host"."""
+    return "device" if device_ms(work, rates) >= host_ms(work, rates) else "host"
+
+
+def work_of(row: Mapping[str, Any]) -> StepWork | None:
+    """A prediction row's work (its step_* columns), None where it has none (an older method's, a stack
+    whose kernels the fake run cannot count)."""
+    values = [row.get(c) for c in ("step_tflop", "step_ops", "step_kernels", "step_compute_tflop", "step_memory_gb")]
+    if any(_missing(v) for v in values):
+        return None
+    tflop, ops, kernels, compute_tflop, memory_gb = (float(v) for v in values)
+    return StepWork(round(tflop * 1e12), round(ops), round(kernels), round(compute_tflop * 1e12), round(memory_gb * 1e9))
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN or pandas' NA (a table's empty cell)."""
+    try:
+        return value is None or bool(value != value)
+    except TypeError:  # pandas.NA has no truth value
+        return True
+
+
+def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack_names: Sequence[str], gpus: int) -> float | None:
+    """A prediction row's step time on its GPU kind, ms; None where not predicted (no rates for the kind,
+    no work counted, a stack or rank count the model does not time)."""
+    rates = RATES.get(gpu_key)
+    work = work_of(row)
+    if rates is None or work is None or unsupported_reason(stack_names, gpus):
+        return None
+    return step_ms(work, rates)
 
 
 # The fitted rates (tools/fit_step_time.py); a GPU kind not here gets no predicted step time.
@@ -85,6 +126,22 @@ def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str)
             best[name] = min(candidates, key=lambda v: _loss(works, measured_ms, {**best, name: v}))
         span = {name: s ** 0.6 for name, s in span.items()}
     return StepRates(**best, fitted_on=fitted_on)
+
+
+def left_out_errors(works: Sequence[StepWork], measured_ms: Sequence[float]) -> list[float]:
+    """Each cell's error (predicted - measured over measured) by rates fitted to the others: how the model
+    fares on a cell it has not seen, which in-sample errors overstate."""
+    errors = []
+    for i, (work, measured) in enumerate(zip(works, measured_ms, strict=True)):
+        rates = fit([*works[:i], *works[i + 1:]], [*measured_ms[:i], *measured_ms[i + 1:]], "")
+        errors.append(step_ms(work, rates) / measured - 1)
+    return errors
+
+
+def error_summary(errors: Sequence[float]) -> str:
+    """Errors in a phrase: "median 6.1% off, -18.0% to +12.4%"."""
+    ordered = sorted(abs(e) for e in errors)
+    return f"median {ordered[len(ordered) // 2]:.1%} off, {min(errors):+.1%} to {max(errors):+.1%}"
 
 
 def _loss(works: Sequence[StepWork], measured_ms: Sequence[float], rates: dict[str, float]) -> float:

@@ -1,0 +1,54 @@
+"""Fit a GPU kind's step time rates (bench/predict/steptime.py RATES) to its published measured cells.
+
+    python tools/fit_step_time.py h100 [--results results]
+
+The cells: every published GPU cell of that kind whose newest prediction counted the step's work
+(fake-run/14 on) and whose stack the model times (bench/predict/steptime_report.py `timed`). Prints the
+rates as a line of RATES, the in-sample and left-out errors, and each cell's; writes nothing. Exit 2 on
+bad input, 1 with fewer than 8 cells to fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+from bench.predict import gpus, report, steptime, steptime_report  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gpu", help=f"GPU kind: {', '.join(gpus.GPUS)}")
+    parser.add_argument("--results", type=Path, default=REPO / "results")
+    args = parser.parse_args()
+    if args.gpu not in gpus.GPUS:
+        print(f"fit_step_time: unknown GPU kind {args.gpu!r}; known: {', '.join(gpus.GPUS)}", file=sys.stderr)
+        return 2
+    both = report.checked(args.results)
+    rows = steptime_report.timed(both, args.gpu)
+    runs = ", ".join(sorted({part for v in rows["run_id"] for part in str(v).split(", ")}))
+    fitted_on = f"{len(rows)} cells of {runs} (predictions {', '.join(sorted(set(rows['run_id_predicted'])))})"
+    rates = steptime_report.fitted(both, args.gpu, fitted_on)
+    if rates is None:
+        print(f"fit_step_time: {len(rows)} timed cells on {args.gpu}: too few to fit four rates", file=sys.stderr)
+        return 1
+    works, measured = list(rows["work"]), list(rows["step_ms_p50"])
+    left_out = steptime.left_out_errors(works, measured)
+    for (_, r), lo in zip(rows.iterrows(), left_out, strict=True):
+        predicted = steptime.step_ms(r["work"], rates)
+        print(f"{r['cell_id']:60s} {r['step_ms_p50']:8.1f} {predicted:8.1f} {predicted / r['step_ms_p50'] - 1:+7.1%} "
+              f"left out {lo:+7.1%} {steptime.bound(r['work'], rates)}")
+    errors = sorted(abs(steptime.step_ms(w, rates) / m - 1) for w, m in zip(works, measured, strict=True))
+    print(f"abs error median {errors[len(errors) // 2]:.1%}, max {errors[-1]:.1%}")
+    summary = steptime.error_summary(left_out)
+    print(f'    "{args.gpu}": StepRates({rates.matmul_tflops:.1f}, {rates.memory_gbps:.1f}, {rates.kernel_us:.3f}, '
+          f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{summary}"),')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
