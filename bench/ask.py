@@ -34,10 +34,9 @@ import pandas as pd
 
 from . import envinfo, fit, models, results, spec
 from .cells import Cell
-from .predict import gpus
+from .predict import gpus, steptime
 from .predict import report as predict_report
 from .predict import runner as predict_runner
-from .predict import steptime
 
 # What a caller's exit code says (the CLI returns it): the verdict on the card and the host.
 EXIT_CODES = {"fits": 0, "not judged": 0, "does not fit": 1, "host_oom": 1, "not predicted": 3}

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class StepWork:
@@ -113,19 +115,58 @@ def unsupported_reason(stack_names: Sequence[str], gpus: int) -> str | None:
     return None
 
 
+# Where the fit starts: a GPU of the H100's class (how each cell is first judged device- or host-bound).
+START = (800.0, 3000.0, 2.0, 5.0)
+
+
 def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str) -> StepRates:
-    """The rates that best predict the measured step times (least squares of the log ratio), by a
-    coarse-to-fine search over a grid of the four rates: few cells, four parameters, no solver needed."""
-    grid = {"matmul_tflops": (50.0, 1000.0), "memory_gbps": (200.0, 5000.0), "kernel_us": (0.5, 50.0),
-            "op_us": (0.5, 100.0)}
-    best = {name: math.sqrt(lo * hi) for name, (lo, hi) in grid.items()}
-    span = {name: hi / lo for name, (lo, hi) in grid.items()}
-    for _ in range(12):
-        for name in grid:
-            candidates = [best[name] * span[name] ** (k / 8 - 0.5) for k in range(9)]
-            best[name] = min(candidates, key=lambda v: _loss(works, measured_ms, {**best, name: v}))
-        span = {name: s ** 0.6 for name, s in span.items()}
-    return StepRates(**best, fitted_on=fitted_on)
+    """The rates that best predict the measured step times (least squares of the relative error). The model
+    is the larger of two sums, each linear in the inverse rates, so: judge each cell device- or host-bound,
+    fit the device's three rates to the device-bound cells and the host's to the host-bound (linear least
+    squares each), judge again, until no cell changes side (or 50 rounds: the best seen is kept)."""
+    columns, seconds = _columns(works), np.asarray(measured_ms, dtype=float) / 1000
+    rates = StepRates(*START, fitted_on=fitted_on)
+    best, best_loss = rates, math.inf
+    device_bound = np.zeros(len(seconds), dtype=bool)
+    for round_ in range(50):
+        judged = np.array([device_ms(w, rates) >= host_ms(w, rates) for w in works])
+        if round_ and (judged == device_bound).all():
+            break
+        device_bound = judged
+        inverse = _least_squares(columns[device_bound, :3], seconds[device_bound], fallback=_inverse(rates)[:3])
+        host = _least_squares(columns[~device_bound, 3:], seconds[~device_bound], fallback=_inverse(rates)[3:])
+        rates = _rates(np.concatenate([inverse, host]), fitted_on)
+        loss = float(np.sum((np.array([step_ms(w, rates) for w in works]) / 1000 / seconds - 1) ** 2))
+        if loss < best_loss:
+            best, best_loss = rates, loss
+    return best
+
+
+def _least_squares(x: np.ndarray, seconds: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the relative error of x @ coefficients against seconds (a
+    coefficient that would go negative is held at 0: an active set, enough for three); the fallback
+    where no cell is there to fit."""
+    if len(seconds) < x.shape[1]:
+        return fallback
+    a, free = x / seconds[:, None], np.ones(x.shape[1], dtype=bool)
+    while free.any():
+        coefficients = np.zeros(x.shape[1])
+        coefficients[free] = np.linalg.lstsq(a[:, free], np.ones(len(seconds)), rcond=None)[0]
+        if (coefficients >= 0).all():
+            return coefficients
+        free &= coefficients > 0
+    return fallback
+
+
+def _inverse(rates: StepRates) -> np.ndarray:
+    """Seconds per unit of each column (_columns): per FLOP, per byte, per kernel, per op."""
+    return np.array([1 / (rates.matmul_tflops * 1e12), 1 / (rates.memory_gbps * 1e9), rates.kernel_us * 1e-6,
+                     rates.op_us * 1e-6])
+
+
+def _rates(inverse: np.ndarray, fitted_on: str) -> StepRates:
+    per_flop, per_byte, per_kernel, per_op = (max(float(v), 1e-30) for v in inverse)  # 0: a rate without bound
+    return StepRates(1e-12 / per_flop, 1e-9 / per_byte, per_kernel * 1e6, per_op * 1e6, fitted_on=fitted_on)
 
 
 def left_out_errors(works: Sequence[StepWork], measured_ms: Sequence[float]) -> list[float]:
@@ -144,6 +185,6 @@ def error_summary(errors: Sequence[float]) -> str:
     return f"median {ordered[len(ordered) // 2]:.1%} off, {min(errors):+.1%} to {max(errors):+.1%}"
 
 
-def _loss(works: Sequence[StepWork], measured_ms: Sequence[float], rates: dict[str, float]) -> float:
-    r = StepRates(**rates, fitted_on="")
-    return sum(math.log(step_ms(w, r) / m) ** 2 for w, m in zip(works, measured_ms, strict=True))
+def _columns(works: Sequence[StepWork]) -> np.ndarray:
+    """The works as rows of (compute FLOPs, memory bytes, kernels, ops)."""
+    return np.array([(w.compute_flops, w.memory_bytes, w.kernels, w.ops) for w in works], dtype=float).reshape(-1, 4)

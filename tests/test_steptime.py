@@ -1,0 +1,128 @@
+"""The step time model (bench/predict/steptime.py): what the fake run counts of a step's work, the model,
+and its fit."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from bench.predict import flops, steptime, steptime_report
+from bench.predict.steptime import StepRates, StepWork
+
+
+def test_a_view_is_dispatched_but_launches_no_kernel():
+    x = torch.ones(64, 64)
+    with flops.FlopCount() as counted:
+        x.t()
+        x.view(4096)
+        torch.empty(8)
+    work = counted.work()
+    assert (work.ops, work.kernels, work.memory_bytes) == (3, 0, 0)
+
+
+def test_an_elementwise_op_moves_its_inputs_and_outputs():
+    a, b = torch.ones(1000), torch.ones(1000)
+    with flops.FlopCount() as counted:
+        a + b
+    assert counted.work() == StepWork(flops=0, ops=1, kernels=1, compute_flops=0, memory_bytes=3 * 4000)
+
+
+def test_an_expanded_input_is_read_once():
+    x = torch.ones(4, 1, 1000)
+    with flops.FlopCount() as counted:
+        x.expand(4, 8, 1000) * 2.0
+    assert counted.work().memory_bytes == 4 * 1000 * 4 + 4 * 8 * 1000 * 4  # the storage read, the output written
+
+
+def test_a_void_in_place_op_writes_what_its_schema_marks():
+    """`_foreach_add_` returns nothing: the lists it adds into are written (else an optimizer's steps would count
+    their reads only)."""
+    a, b = [torch.ones(1000) for _ in range(3)], [torch.ones(1000) for _ in range(3)]
+    with flops.FlopCount() as counted:
+        torch._foreach_add_(a, b)
+    assert counted.work().memory_bytes == 3 * 3 * 4000
+
+
+def test_a_roofline_sorts_a_projection_from_a_low_rank_matmul():
+    """A square projection of 1024 rows does 2 x 1024^3 FLOPs over 3 x 1024^2 x 2 bytes (341 a byte: compute-
+    bound); a rank-16 adapter's matmul of the same rows moves as many bytes for 1/64 of the FLOPs."""
+    x, w = torch.ones(1024, 1024, dtype=torch.bfloat16), torch.ones(1024, 1024, dtype=torch.bfloat16)
+    with flops.FlopCount() as counted:
+        x @ w
+    assert counted.work().compute_flops == 2 * 1024**3 and counted.work().memory_bytes == 0
+    with flops.FlopCount() as counted:
+        x @ w[:, :16]
+    assert counted.work().compute_flops == 0 and counted.work().memory_bytes > 1024 * 1024 * 2
+
+
+def test_an_undispatched_kernel_counts_its_tensors():
+    """A Triton launch (bench/predict/triton_launch.py) is a kernel reading or writing each tensor once."""
+    tensors = [torch.ones(100), torch.ones(50, dtype=torch.bfloat16)]
+    with flops.FlopCount() as counted:
+        flops.count_undispatched_kernel(tensors)
+    assert (counted.work().kernels, counted.work().memory_bytes, counted.work().ops) == (1, 500, 0)
+
+
+RATES = StepRates(500.0, 2000.0, 3.0, 10.0, fitted_on="by hand")
+
+
+def test_the_slower_of_device_and_host_sets_the_pace():
+    busy = StepWork(flops=0, ops=1000, kernels=500, compute_flops=int(50e12), memory_bytes=int(4e9))
+    # device: 100 ms of matmuls + 2 ms of bytes + 1.5 ms of kernels; host: 10 ms
+    assert steptime.step_ms(busy, RATES) == pytest.approx(103.5)
+    assert steptime.bound(busy, RATES) == "device"
+    chatty = StepWork(flops=0, ops=20_000, kernels=15_000, compute_flops=int(1e12), memory_bytes=int(1e9))
+    assert steptime.step_ms(chatty, RATES) == pytest.approx(200.0)  # host: 20,000 ops x 10 µs
+    assert steptime.bound(chatty, RATES) == "host"
+
+
+def _works() -> list[StepWork]:
+    """Steps of many shapes, device- and host-bound, so that each rate shows in some."""
+    return [StepWork(0, ops, kernels, int(tflop * 1e12), int(gb * 1e9))
+            for ops, kernels, tflop, gb in ((30_000, 20_000, 100, 500), (30_000, 20_000, 20, 120), (5_000, 4_000, 400, 100),
+                                           (60_000, 40_000, 10, 50), (10_000, 9_000, 5, 900), (40_000, 30_000, 50, 300),
+                                           (20_000, 2_000, 200, 50), (80_000, 60_000, 30, 40), (15_000, 12_000, 300, 600))]
+
+
+def test_the_fit_finds_the_rates_that_made_the_times():
+    works = _works()
+    measured = [steptime.step_ms(w, RATES) for w in works]
+    found = steptime.fit(works, measured, "synthetic")
+    assert [steptime.step_ms(w, found) / m for w, m in zip(works, measured, strict=True)] == pytest.approx(
+        [1.0] * len(works), abs=0.01)
+    assert found.matmul_tflops == pytest.approx(500, rel=0.05) and found.op_us == pytest.approx(10, rel=0.05)
+
+
+def test_a_cell_left_out_is_predicted_by_the_others():
+    works = _works()
+    measured = [steptime.step_ms(w, RATES) for w in works]
+    measured[0] *= 1.5  # a cell the model cannot explain: in-sample the fit splits its error with the others
+    left_out = steptime.left_out_errors(works, measured)
+    assert left_out[0] == pytest.approx(1 / 1.5 - 1, abs=0.02)  # the others' rates say what the model would
+    assert max(abs(e) for e in left_out[1:]) > 0  # and each of the others is predicted with it in the fit
+
+
+def test_a_stack_the_model_does_not_time_has_no_step_time():
+    row = {"step_tflop": 100.0, "step_ops": 30_000, "step_kernels": 20_000, "step_compute_tflop": 100.0,
+           "step_memory_gb": 500.0}
+    saved = dict(steptime.RATES)
+    steptime.RATES["h100"] = RATES
+    try:
+        assert steptime.predicted_ms(row, "h100", ("gc",), 1) == pytest.approx(200.0 + 250.0 + 60.0)
+        assert steptime.predicted_ms(row, "h100", ("zero3",), 1) is None
+        assert steptime.predicted_ms(row, "h100", ("fsdp",), 2) is None
+        assert steptime.predicted_ms(row, "a100", ("gc",), 1) is None  # no rates for the kind
+        assert steptime.predicted_ms({**row, "step_ops": pd.NA}, "h100", ("gc",), 1) is None
+    finally:
+        steptime.RATES.clear()
+        steptime.RATES.update(saved)
+
+
+def test_the_report_times_only_cells_it_can():
+    row = {"cell_id": "c", "gpu_name": "NVIDIA H100 80GB HBM3", "step_ms_p50": 250.0, "gpus": 1, "step_tflop": 1.0,
+           "step_ops": 10, "step_kernels": 5, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
+    both = pd.DataFrame([{**row, "stack": "gc"}, {**row, "stack": "zero2"}, {**row, "stack": "gc", "step_ops": None},
+                         {**row, "stack": "gc", "gpu_name": "NVIDIA H200"}])
+    timed = steptime_report.timed(both, "h100")
+    assert list(timed["stack"]) == ["gc"] and timed["work"].iloc[0].ops == 10
