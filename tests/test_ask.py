@@ -445,3 +445,25 @@ def test_a_stacks_table_says_what_each_record_is_of_and_marks_a_row_none_of_its_
         "  one rank, fake run, without offload: 2 cells of llama-3.2-1b, llama-3.2-3b, on 1 GPU",
         "  hybrid, with offload: 1 cell of llama-3.2-3b, on 1 GPU"]
     assert "records, of:\n  one rank" in ask_stacks.text(found)
+
+
+def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step time (bench/predict/steptime.py) at the card's fitted rates, with tokens/s and which side sets
+    the pace; on a kind no GPU has fitted rates for, or a stack the model does not time, why there is none."""
+    from bench.predict import steptime
+
+    monkeypatch.setitem(steptime.RATES, "h100", steptime.StepRates(500.0, 2000.0, 0.0, 1.0, "3 cells of run r",
+                                                                   "median 1.0% off, -2.0% to +1.0%"))
+    work = {"peak_phase": "measure/backward", "predict_s": 1.0, "peak_reserved_gib": 12.0, "step_tflop": 10.0,
+            "step_ops": 1000, "step_kernels": 800, "step_compute_tflop": 10.0, "step_memory_gb": 40.0}
+    text = ask.text(_answer(**work))  # 20 ms of matmuls + 20 ms of bytes; the host's 1 ms
+    assert "step time             40 ms    1,600 tokens/s, device-bound" in text  # tiny-llama: 64 positions
+    assert "fitted on 3 cells of run r; a cell left out of the fit: median 1.0% off" in text
+    unfitted = gpus.GpuKind("x", "a card no GPU run has fitted", (8, 9), memory_gib=24.0)
+    assert "step time       not predicted: no a card no GPU run has fitted has measured steps" in ask.text(
+        _answer(unfitted, **work))
+    assert "step time       not predicted: the step's work was not counted" in ask.text(
+        _answer(**{**work, "step_ops": None}))
+    from bench import ask_stacks
+
+    assert ask_stacks.row(_answer(**work))["step_ms"] == "40"
