@@ -1,11 +1,12 @@
 """Fit a GPU kind's step time rates (bench/predict/steptime.py RATES) to its published measured cells.
 
-    python tools/fit_step_time.py h100 [--results results]
+    python tools/fit_step_time.py h100 [--results results] [--start h100]
 
 The cells: every published GPU cell of that kind whose newest prediction counted the step's work
 (fake-run/14 on) and whose stack the model times (bench/predict/steptime_report.py `timed`). Prints the
 rates as a line of RATES, the in-sample and left-out errors, and each cell's; writes nothing. Exit 2 on
-bad input, 1 with fewer than 8 cells to fit.
+bad input, 1 with fewer than 8 cells to fit. Where no cell is host-bound, the host's rate is not fitted: it
+is the start's (`--start KIND`: another kind's fitted rates; else steptime.START), and the line says so.
 """
 
 from __future__ import annotations
@@ -24,26 +25,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gpu", help=f"GPU kind: {', '.join(gpus.GPUS)}")
     parser.add_argument("--results", type=Path, default=REPO / "results")
+    parser.add_argument("--start", help="start from this GPU kind's fitted rates (a side no cell fits keeps them)")
     args = parser.parse_args()
-    if args.gpu not in gpus.GPUS:
-        print(f"fit_step_time: unknown GPU kind {args.gpu!r}; known: {', '.join(gpus.GPUS)}", file=sys.stderr)
+    for kind in (args.gpu, args.start):
+        if kind is not None and kind not in gpus.GPUS:
+            print(f"fit_step_time: unknown GPU kind {kind!r}; known: {', '.join(gpus.GPUS)}", file=sys.stderr)
+            return 2
+    if args.start is not None and args.start not in steptime.RATES:
+        print(f"fit_step_time: no fitted rates for {args.start!r} to start from", file=sys.stderr)
         return 2
+    start = steptime.RATES[args.start] if args.start else None
     both = report.checked(args.results)
     rows = steptime_report.timed(both, args.gpu)
     runs = ", ".join(sorted({part for v in rows["run_id"] for part in str(v).split(", ")}))
     fitted_on = f"{len(rows)} cells of {runs} (predictions {', '.join(sorted(set(rows['run_id_predicted'])))})"
-    rates = steptime_report.fitted(both, args.gpu, fitted_on)
+    rates = steptime_report.fitted(both, args.gpu, fitted_on, start)
     if rates is None:
         print(f"fit_step_time: {len(rows)} timed cells on {args.gpu}: too few to fit four rates", file=sys.stderr)
         return 1
     works, measured = list(rows["work"]), list(rows["step_ms_p50"])
-    left_out = steptime.left_out_errors(works, measured)
+    if not steptime.host_bound_cells(works, rates):
+        fitted_on += f"; no cell host-bound: host time an op is {args.start or 'the start'}'s, not fitted"
+    left_out = steptime.left_out_errors(works, measured, start)
     for (_, r), lo in zip(rows.iterrows(), left_out, strict=True):
         predicted = steptime.step_ms(r["work"], rates)
         print(f"{r['cell_id']:60s} {r['step_ms_p50']:8.1f} {predicted:8.1f} {predicted / r['step_ms_p50'] - 1:+7.1%} "
               f"left out {lo:+7.1%} {steptime.bound(r['work'], rates)}")
-    errors = sorted(abs(steptime.step_ms(w, rates) / m - 1) for w, m in zip(works, measured, strict=True))
-    print(f"abs error median {errors[len(errors) // 2]:.1%}, max {errors[-1]:.1%}")
+    print("in sample: " + steptime.error_summary([steptime.step_ms(w, rates) / m - 1
+                                                   for w, m in zip(works, measured, strict=True)]))
     summary = steptime.error_summary(left_out)
     print(f'    "{args.gpu}": StepRates({rates.matmul_tflops:.1f}, {rates.memory_gbps:.1f}, {rates.kernel_us:.3f}, '
           f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{summary}"),')

@@ -27,12 +27,13 @@ def timed(both: pd.DataFrame, gpu_key: str) -> pd.DataFrame:
     return rows[rows["work"].notna()]
 
 
-def fitted(both: pd.DataFrame, gpu_key: str, fitted_on: str) -> steptime.StepRates | None:
+def fitted(both: pd.DataFrame, gpu_key: str, fitted_on: str,
+           start: steptime.StepRates | None = None) -> steptime.StepRates | None:
     """The rates fitted to this GPU kind's timed cells (tools/fit_step_time.py), None with fewer than 8."""
     rows = timed(both, gpu_key)
     if len(rows) < 8:
         return None
-    return steptime.fit(list(rows["work"]), list(rows["step_ms_p50"]), fitted_on)
+    return steptime.fit(list(rows["work"]), list(rows["step_ms_p50"]), fitted_on, start)
 
 
 def section(both: pd.DataFrame) -> list[str]:
@@ -45,7 +46,7 @@ def section(both: pd.DataFrame) -> list[str]:
             continue
         works, measured = list(rows["work"]), list(rows["step_ms_p50"])
         predicted = [steptime.step_ms(w, rates) for w in works]
-        left_out = steptime.left_out_errors(works, measured)
+        left_out = steptime.left_out_errors(works, measured, start=rates)  # a side no cell fits: as RATES has it
         errors = pd.Series([p / m - 1 for p, m in zip(predicted, measured, strict=True)])
         lines += _head(key, rates, errors, pd.Series(left_out))
         for (_, r), p, lo in zip(rows.iterrows(), predicted, left_out, strict=True):
