@@ -148,7 +148,7 @@ PREDICTED_SCHEMA_VERSION = 11  # 2: phase_timeline_json, peak_reserved_gib, devi
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
 # 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed; 11: step_ops, step_kernels, step_compute_tflop,
-# step_memory_gb
+# step_memory_gb, step_ms
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "python_hash_seed", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -244,6 +244,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("step_kernels", "int", "of step_ops, those that launch a GPU kernel (Triton launches included)"),
     ("step_compute_tflop", "float", "FLOPs of the compute-bound kernels (above 256 FLOPs a byte moved), TFLOP"),
     ("step_memory_gb", "float", "bytes the memory-bound kernels read and write (each input and output once), GB"),
+    ("step_ms", "float", "PREDICTED step time at the GPU kind's rates when predicted (bench/predict/steptime.py RATES: "
+                         "fitted to measured cells); empty where not predicted (no rates for the kind, a stack or rank "
+                         "count the model does not time), ms; measured counterpart: step_ms_p50"),
     ("allocations", "int", "allocations in the fake run's trace"),
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "

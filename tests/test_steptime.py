@@ -126,3 +126,25 @@ def test_the_report_times_only_cells_it_can():
                          {**row, "stack": "gc", "gpu_name": "NVIDIA H200"}])
     timed = steptime_report.timed(both, "h100")
     assert list(timed["stack"]) == ["gc"] and timed["work"].iloc[0].ops == 10
+
+
+def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
+    """A fake run of tiny-llama for an H100 records its work and the step time at the H100's rates as they stand
+    (so a later fit, with the cell's own measurement in it, cannot make its prediction in-sample); a stack the
+    model does not time records its work without a time; a kind without rates, no time."""
+    from bench import spec
+    from bench.cells import make_cell
+    from bench.predict import fake, gpus
+    from bench.stacks import parse_stack
+
+    matrix = spec.from_mapping("t", {"models": ["tiny-llama"], "seq_lens": [64], "batch_sizes": [2],
+                                     "stacks": ["gc"], "device": "cuda"})
+    gc = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")), gpus.get("h100"))
+    work = steptime.work_of(gc)
+    assert work is not None and work.kernels < work.ops and work.memory_bytes > 0
+    assert gc["step_ms"] == pytest.approx(steptime.step_ms(work, steptime.RATES["h100"]))
+    eight_bit = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("adamw8bit")),
+                                  gpus.get("h100"))
+    assert eight_bit["step_ops"] > 0 and eight_bit["step_ms"] is None
+    assert fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")),
+                             gpus.get("a100"))["step_ms"] is None
