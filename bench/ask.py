@@ -276,18 +276,29 @@ def _predicted_lines(a: Answer) -> list[str]:
     return lines
 
 
+def predicted_step_ms(a: Answer) -> float | None:
+    """The step time predicted at the card's fitted rates (bench/predict/steptime.py), ms; None where not."""
+    if a.predicted.get("status") != "ok":
+        return None
+    return steptime.predicted_ms(a.predicted, a.card.key, a.cell.stack.names, a.cell.gpus)
+
+
+def tokens_per_s(a: Answer, step_ms: float) -> float:
+    """The positions a step of this cell trains, over its time."""
+    return a.cell.batch_size * a.cell.seq_len / (step_ms / 1000)
+
+
 def _step_time_line(a: Answer) -> str:
-    """The predicted step time and tokens/s (bench/predict/steptime.py), or why there is none."""
-    ms = steptime.predicted_ms(a.predicted, a.card.key, a.cell.stack.names, a.cell.gpus)
+    """The predicted step time and tokens/s, or why there is none."""
+    ms = predicted_step_ms(a)
     rates = steptime.RATES.get(a.card.key)
     if ms is None:
         why = (f"no {a.card.name} has measured steps to fit its rates on" if rates is None else
                steptime.unsupported_reason(a.cell.stack.names, a.cell.gpus) or "the step's work was not counted")
         return f"  step time       not predicted: {why}"
-    tokens_per_s = a.cell.batch_size * a.cell.seq_len / (ms / 1000)
     work = steptime.work_of(a.predicted)
     assert rates is not None and work is not None  # else predicted_ms is None
-    return (f"  step time       {ms:8.0f} ms    {tokens_per_s:,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
+    return (f"  step time       {ms:8.0f} ms    {tokens_per_s(a, ms):,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
             f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.fitted_on}; a cell "
             f"left out of the fit: {rates.left_out}")
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import ask, fit
-from .predict import gpus, steptime
+from .predict import gpus
 from .predict import runner as predict_runner
 
 # Of several answers, the one the exit code reports: any stack that fits makes it 0, as one answer would.
 VERDICT_ORDER = ("fits", "not judged", "host_oom", "does not fit", "not predicted")
 COLUMNS = (("stack", "stack"), ("verdict", "verdict"), ("peak allocated GiB", "peak_allocated_gib"),
            ("peak reserved GiB", "peak_reserved_gib"), ("needs GiB", "need_gib"), ("trainable", "trainable"),
-           ("TFLOP a step", "step_tflop"), ("step ms", "step_ms"), ("record", "record"),
+           ("TFLOP a step", "step_tflop"), ("tokens/s", "tokens_per_s"), ("record", "record"),
            ("measured reserved GiB", "measured_gib"), ("measured tokens/s", "measured_tokens_per_s"))
 LEFT = ("stack", "verdict")  # the others are figures: right-aligned
 LEGEND = (
@@ -33,8 +33,8 @@ LEGEND = (
     "device's peak; on a card whose context is not measured, torch's alone",
     "TFLOP a step: the matmuls and attention the fake run dispatched, recomputation included (empty where they run "
     "in kernels it cannot count)",
-    "step ms: the step's time predicted from its work (bench/predict/steptime.py; empty where not predicted: `bench "
-    "ask` with that stack alone says why)",
+    "tokens/s: predicted, the step's time from its work at this GPU kind's fitted rates (bench/predict/steptime.py; "
+    "empty where not predicted: `bench ask` with that stack alone says why)",
     "record: predicted - measured peak reserved over measured, on the published GPU cells (how many) predicted as "
     "this stack was; ?: this model's architecture, one of this stack's techniques or this many GPUs is in none of "
     "them, so how its prediction fares is not measured; *: a miss as large as its worst would not fit",
@@ -74,10 +74,11 @@ def row(a: ask.Answer) -> dict[str, str]:
     figures = {column: f"{p[column]:.2f}" for column in ("peak_allocated_gib", "peak_reserved_gib", "step_tflop")
                if p.get(column) is not None}
     need = fit.predicted_need_gib(p) if p.get("status") == "ok" else None
-    ms = steptime.predicted_ms(p, a.card.key, a.cell.stack.names, a.cell.gpus) if p.get("status") == "ok" else None
+    ms = ask.predicted_step_ms(a)
     risky = "*" if ask.worst_miss_over_headroom(a) is not None else ""
     return {"stack": a.cell.stack.label, "verdict": a.verdict + risky, **figures,
-            "need_gib": "" if need is None else f"{need:.2f}", "step_ms": "" if ms is None else f"{ms:.0f}",
+            "need_gib": "" if need is None else f"{need:.2f}",
+            "tokens_per_s": "" if ms is None else f"{ask.tokens_per_s(a, ms):,.0f}",
             "trainable": ask.param_count(p["trainable_params"]).strip() if p.get("trainable_params") else "",
             "record": _record(a), **_measured(a)}
 

@@ -466,4 +466,4 @@ def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.
         _answer(**{**work, "step_ops": None}))
     from bench import ask_stacks
 
-    assert ask_stacks.row(_answer(**work))["step_ms"] == "40"
+    assert ask_stacks.row(_answer(**work))["tokens_per_s"] == "1,600"
