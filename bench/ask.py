@@ -299,8 +299,8 @@ def _step_time_line(a: Answer) -> str:
     work = steptime.work_of(a.predicted)
     assert rates is not None and work is not None  # else predicted_ms is None
     return (f"  step time       {ms:8.0f} ms    {tokens_per_s(a, ms):,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
-            f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.fitted_on}; a cell "
-            f"left out of the fit: {rates.left_out}")
+            f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.cells} measured cells; "
+            f"each left out of the fit was predicted {rates.left_out} (results/PREDICTION.md, Step time)")
 
 
 def _paged_state_gib(p: dict[str, Any], card: gpus.GpuKind) -> float:

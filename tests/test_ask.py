@@ -453,12 +453,12 @@ def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.
     from bench.predict import steptime
 
     monkeypatch.setitem(steptime.RATES, "h100", steptime.StepRates(500.0, 2000.0, 0.0, 1.0, "3 cells of run r",
-                                                                   "median 1.0% off, -2.0% to +1.0%"))
+                                                                   "median 1.0% off, -2.0% to +1.0%", cells=3))
     work = {"peak_phase": "measure/backward", "predict_s": 1.0, "peak_reserved_gib": 12.0, "step_tflop": 10.0,
             "step_ops": 1000, "step_kernels": 800, "step_compute_tflop": 10.0, "step_memory_gb": 40.0}
     text = ask.text(_answer(**work))  # 20 ms of matmuls + 20 ms of bytes; the host's 1 ms
     assert "step time             40 ms    1,600 tokens/s, device-bound" in text  # tiny-llama: 64 positions
-    assert "fitted on 3 cells of run r; a cell left out of the fit: median 1.0% off" in text
+    assert "fitted on 3 measured cells; each left out of the fit was predicted median 1.0% off" in text
     unfitted = gpus.GpuKind("x", "a card no GPU run has fitted", (8, 9), memory_gib=24.0)
     assert "step time       not predicted: no a card no GPU run has fitted has measured steps" in ask.text(
         _answer(unfitted, **work))

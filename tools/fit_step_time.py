@@ -55,7 +55,7 @@ def main() -> int:
                                                    for w, m in zip(works, measured, strict=True)]))
     summary = steptime.error_summary(left_out)
     print(f'    "{args.gpu}": StepRates({rates.matmul_tflops:.1f}, {rates.memory_gbps:.1f}, {rates.kernel_us:.3f}, '
-          f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{summary}"),')
+          f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{summary}", cells={rates.cells}),')
     return 0
 
 

@@ -48,6 +48,7 @@ class StepRates:
     op_us: float  # host time a dispatched op costs (Python, autograd, the dispatcher), µs
     fitted_on: str  # the measured run(s) and cells they were fitted to
     left_out: str = ""  # the errors of those cells, each predicted by rates fitted to the others
+    cells: int = 0  # how many measured cells they were fitted to
 
 
 def step_ms(work: StepWork, rates: StepRates) -> float:
@@ -107,7 +108,7 @@ RATES: dict[str, StepRates] = {
     "h100": StepRates(807.6, 6221.8, 0.906, 4.863,
                       "52 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
                       "llama3b-predicted-h100-torch211-20261129c)",
-                      "median 3.3% off, -22.5% to +20.4%"),
+                      "median 3.3% off, -22.5% to +20.4%", cells=52),
     # every cell at seq 2048 batch 2 (the H200's run so far), none host-bound; its bandwidth over the H100's, 1.50,
     # is near the two cards' HBM's (4.8 / 3.35 TB/s: 1.43); the H100's rates predict these cells median 3.9% off,
     # -1.6% to +18.5% (eager attention's the most)
@@ -115,7 +116,7 @@ RATES: dict[str, StepRates] = {
                       "11 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
                       "llama3b-predicted-h200-torch211-20261129d), all at seq 2048 batch 2; no cell host-bound: host "
                       "time an op is the H100's, not fitted",
-                      "median 3.8% off, -11.5% to +9.1%"),
+                      "median 3.8% off, -11.5% to +9.1%", cells=11),
 }
 
 
@@ -157,6 +158,7 @@ def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
     with too few cells to fit keeps the start's rates (`start`, else START): `host_bound_cells` says so."""
     columns, seconds = _columns(works), np.asarray(measured_ms, dtype=float) / 1000
     rates = replace(start, fitted_on=fitted_on) if start else StepRates(*START, fitted_on=fitted_on)
+    rates = replace(rates, cells=len(works))
     best, best_loss = rates, math.inf
     device_bound = np.zeros(len(seconds), dtype=bool)
     for round_ in range(50):
@@ -166,7 +168,7 @@ def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
         device_bound = judged
         inverse = _least_squares(columns[device_bound, :3], seconds[device_bound], fallback=_inverse(rates)[:3])
         host = _least_squares(columns[~device_bound, 3:], seconds[~device_bound], fallback=_inverse(rates)[3:])
-        rates = _rates(np.concatenate([inverse, host]), fitted_on)
+        rates = _rates(np.concatenate([inverse, host]), fitted_on, len(works))
         loss = float(np.sum((np.array([step_ms(w, rates) for w in works]) / 1000 / seconds - 1) ** 2))
         if loss < best_loss:
             best, best_loss = rates, loss
@@ -200,9 +202,10 @@ def _inverse(rates: StepRates) -> np.ndarray:
                      rates.op_us * 1e-6])
 
 
-def _rates(inverse: np.ndarray, fitted_on: str) -> StepRates:
+def _rates(inverse: np.ndarray, fitted_on: str, cells: int) -> StepRates:
     per_flop, per_byte, per_kernel, per_op = (max(float(v), 1e-30) for v in inverse)  # 0: a rate without bound
-    return StepRates(1e-12 / per_flop, 1e-9 / per_byte, per_kernel * 1e6, per_op * 1e6, fitted_on=fitted_on)
+    return StepRates(1e-12 / per_flop, 1e-9 / per_byte, per_kernel * 1e6, per_op * 1e6, fitted_on=fitted_on,
+                     cells=cells)
 
 
 def left_out_errors(works: Sequence[StepWork], measured_ms: Sequence[float],
