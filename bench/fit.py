@@ -364,7 +364,7 @@ class FrontierRun:
             "not_monotone": self.not_monotone(sizes, budget, cell_for),
             **{k: best.get(k) for k in ("tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "nvml_peak_gib",
                                         "allocator_cap_gib", "device_peak_gib", "least_card_gib",
-                                        "least_torch_gib")},
+                                        "least_torch_gib", "step_ms")},  # step_ms: a prediction's
         }
 
 

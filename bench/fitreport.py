@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from . import fit, peers, results
-from .predict import gpus
+from .predict import gpus, steptime
 from .views import code_cell, gib, rate
 
 
@@ -174,6 +174,21 @@ def _context_unmeasured(predictions: pd.DataFrame, gpu_name: str) -> list[str]:
             f"context ({gpus.GPUS['h100'].outside_torch_gib:.2f} GiB on an H100)."]
 
 
+def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
+    """What *tokens/s there* is, where some prediction has a step time."""
+    timed = predictions[pd.to_numeric(predictions.get("step_ms"), errors="coerce").notna()] \
+        if "step_ms" in predictions else predictions.iloc[0:0]
+    if timed.empty:
+        return []
+    rates = steptime.RATES.get(str(timed.iloc[0]["gpu_kind"]))
+    record = f" (fitted on {rates.cells} measured cells; each left out of the fit was predicted {rates.left_out})" \
+        if rates else ""
+    return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
+            "kernels, FLOPs and bytes at the GPU kind's rates of the day (bench/predict/steptime.py" + record + "); "
+            "empty for a stack not timed (ZeRO, offload, QLoRA, 8-bit optimizers and others: README, How long a step "
+            "takes)."]
+
+
 def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:
     first = predictions.iloc[0]
     methods = ", ".join(sorted(set(predictions["prediction_method"].dropna())))
@@ -196,26 +211,27 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.",
-             *_context_unmeasured(predictions, gpu_name), ""]
+             *_step_time_bullet(predictions), *_context_unmeasured(predictions, gpu_name), ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
                   "| model | stack | largest batch | predicted smallest card GiB there | headroom GiB "
-                  "| smallest that does not fit |",
-                  "|---|---|---|---|---|---|"]
+                  "| smallest that does not fit | tokens/s there (predicted) |",
+                  "|---|---|---|---|---|---|---|"]
         for _, r in group.sort_values(["model", "largest_ok"], ascending=[True, False], na_position="last").iterrows():
             largest = _int(r["largest_ok"]) or ("unsupported" if str(r["stopped"]).startswith("unsupported") else "none")
             needed = fit.predicted_need_gib(r) if pd.notna(r.get("peak_allocated_gib")) else None
             peak = gib(needed) if needed is not None else ""
             lines.append(f"| {r['model']} | {code_cell(r['stack'])} | {largest} | {peak} | {_headroom(budget, needed)} | "
-                         f"{_too_big(r)} |")
+                         f"{_too_big(r)} | {_predicted_rate(r)} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
     if len(seq_axis):
         lines += ["## Longest sequence at batch 1 (predicted)", "",
-                  "| budget GiB | model | stack | longest seq | smallest seq that does not fit |", "|---|---|---|---|---|"]
+                  "| budget GiB | model | stack | longest seq | smallest seq that does not fit | tokens/s there (predicted) |",
+                  "|---|---|---|---|---|---|"]
         for _, r in seq_axis.sort_values(["budget_gib", "model", "stack"]).iterrows():
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | {code_cell(r['stack'])} | {_int(r['largest_ok'])} | "
-                         f"{_too_big(r)} |")
+                         f"{_too_big(r)} | {_predicted_rate(r)} |")
         lines.append("")
     lines += not_monotone(summary)
     lines += beside_published(summary, str(first["matrix"]), "predicted")
@@ -282,6 +298,15 @@ def plot(summary: pd.DataFrame, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _predicted_rate(search: pd.Series) -> str:
+    """Tokens a second at a search's answer, from the prediction's step time (bench/predict/steptime.py): empty
+    where it has none (no answer, a stack or GPU kind not timed, a row predicted before step times)."""
+    step_ms = search.get("step_ms")
+    if not search.get("largest_ok") or step_ms is None or pd.isna(step_ms):
+        return ""
+    return f"{search['batch_size'] * search['seq_len'] / (step_ms / 1000):,.0f}"
 
 
 def _gib(x: float | None) -> str:

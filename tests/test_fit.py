@@ -267,6 +267,12 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
     assert summary.loc[("compile", "batch"), "stopped"].startswith("unsupported at")
     board = (fit_dir / "FIT-predicted.md").read_text()
     assert board.startswith("# PREDICTED: fits on my GPU") and "compile: inductor" in board
+    # the answer's tokens/s, from its prediction's step time at the H100's rates (bench/predict/steptime.py)
+    step_ms = predicted.loc[("baseline", 64, largest), "step_ms"]
+    assert summary.loc[("baseline", "batch"), "step_ms"] == step_ms > 0
+    row = next(line for line in board.splitlines() if line.startswith(f"| tiny-llama | `baseline` | {largest} |"))
+    assert row.endswith(f"| {largest * 64 / (step_ms / 1000):,.0f} |")
+    assert "*tokens/s there*" in board
 
 
 @pytest.mark.timeout(600)
