@@ -91,14 +91,22 @@ def count_undispatched_kernel(tensors: list[Any]) -> None:
 def _nbytes(tensor: Any) -> int:
     """The bytes a kernel reads or writes of a tensor: its elements, but no more than its storage holds (an
     expanded tensor repeats its elements without reading them again)."""
-    return min(int(tensor.numel()) * tensor.element_size(), tensor.untyped_storage().nbytes())
+    elements = int(tensor.numel()) * tensor.element_size()
+    return elements if tensor.is_contiguous() else min(elements, tensor.untyped_storage().nbytes())
 
 
 def _tensors(tree: Any) -> list[Any]:
+    """The tensors among an op's arguments or outputs: a tensor, or lists and tuples of them (an op's schema
+    nests no deeper), and a dict's values (keyword arguments)."""
     import torch
-    from torch.utils._pytree import tree_leaves
 
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if not isinstance(tree, (list, tuple)):
+        return []
+    return [t for leaf in tree for t in _tensors(leaf)]
 
 
 class FlopCount(TorchDispatchMode):
