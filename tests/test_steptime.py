@@ -148,3 +148,23 @@ def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
     assert eight_bit["step_ops"] > 0 and eight_bit["step_ms"] is None
     assert fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")),
                              gpus.get("a100"))["step_ms"] is None
+
+
+def test_prediction_md_sets_each_timed_cell_beside_its_measured_step(monkeypatch: pytest.MonkeyPatch):
+    """PREDICTION.md's step time section: per GPU kind with rates, each timed cell's measured and predicted
+    step time, in sample and left out of the fit."""
+    works = _works()
+    rows = [{"cell_id": f"c{i}", "gpu_name": "NVIDIA H100 80GB HBM3", "gpus": 1, "stack": "gc", "seq_len": 1024,
+             "batch_size": 1, "step_ms_p50": steptime.step_ms(w, RATES) * (1.1 if i == 0 else 1.0),
+             "step_tflop": w.flops / 1e12, "step_ops": w.ops, "step_kernels": w.kernels,
+             "step_compute_tflop": w.compute_flops / 1e12, "step_memory_gb": w.memory_bytes / 1e9}
+            for i, w in enumerate(works)]
+    monkeypatch.setattr(steptime, "RATES", {"h100": RATES})
+    lines = steptime_report.section(pd.DataFrame(rows))
+    assert lines[0] == "## Step time (predicted)"
+    table = [line for line in lines if line.startswith("| `c")]
+    assert len(table) == len(works)
+    assert table[0].split(" | ")[6] == "-9.1%"  # 1 / 1.1 - 1: the rates made the other times exactly
+    assert "9 cells: abs error median 0.0%, max 9.1%" in "\n".join(lines)
+    monkeypatch.setattr(steptime, "RATES", {"h200": RATES})
+    assert steptime_report.section(pd.DataFrame(rows)) == []  # no H200 cell measured
