@@ -52,7 +52,7 @@ def section(both: pd.DataFrame) -> list[str]:
         for (_, r), p, lo in zip(rows.iterrows(), predicted, left_out, strict=True):
             lines.append(f"| `{r['cell_id']}` | {code_cell(r['stack'])} | {r['seq_len']} | {r['batch_size']} | "
                          f"{r['step_ms_p50']:.1f} | {p:.1f} | {p / r['step_ms_p50'] - 1:+.1%} | {lo:+.1%} | "
-                         f"{steptime.bound(r['work'], rates)} |")
+                         f"{_as_predicted_then(r)} | {steptime.bound(r['work'], rates)} |")
         lines.append("")
     if lines:
         lines = ["## Step time (predicted)", "",
@@ -60,9 +60,17 @@ def section(both: pd.DataFrame) -> list[str]:
                  "the larger of the device's time (compute-bound FLOPs at a matmul rate, memory-bound bytes at a "
                  "bandwidth, a gap per kernel) and the host's (a time per op dispatched), four rates a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
-                 "to the others, the error to expect of a cell no GPU has run. Offload, ZeRO, QLoRA and several-rank "
-                 "cells are not timed.", "", *lines]
+                 "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
+                 "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA, "
+                 "8-bit optimizers and several-rank cells are not timed.", "", *lines]
     return lines
+
+
+def _as_predicted_then(r: pd.Series) -> str:
+    """The error of the step time the prediction kept when it was made (`step_ms`, at the rates of its day):
+    where it was made before the GPU ran the cell, no fit had seen the measurement. Empty where none was kept."""
+    then = pd.to_numeric(pd.Series([r.get("step_ms")]), errors="coerce").iloc[0]
+    return "" if pd.isna(then) else f"{then / r['step_ms_p50'] - 1:+.1%}"
 
 
 def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.Series) -> list[str]:
@@ -72,5 +80,5 @@ def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.S
             f"{len(errors)} cells: abs error median {errors.abs().median():.1%}, max {errors.abs().max():.1%}; "
             f"left out: median {left_out.abs().median():.1%}, max {left_out.abs().max():.1%}, "
             f"{(left_out.abs() > 0.1).sum()} over 10%.", "",
-            "| cell | stack | seq | batch | measured ms | predicted ms | error | left out | bound |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| cell | stack | seq | batch | measured ms | predicted ms | error | left out | as predicted then | bound |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
