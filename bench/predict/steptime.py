@@ -109,14 +109,14 @@ RATES: dict[str, StepRates] = {
                       "52 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
                       "llama3b-predicted-h100-torch211-20261129c)",
                       "median 3.3% off, -22.5% to +20.4%", cells=52),
-    # every cell at seq 2048 batch 2 (the H200's run so far), none host-bound; its bandwidth over the H100's, 1.50,
-    # is near the two cards' HBM's (4.8 / 3.35 TB/s: 1.43); the H100's rates predict these cells median 3.9% off,
-    # -1.6% to +18.5% (eager attention's the most)
-    "h200": StepRates(773.5, 9363.1, 2.053, 4.863,
-                      "11 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
-                      "llama3b-predicted-h200-torch211-20261129d), all at seq 2048 batch 2; no cell host-bound: host "
-                      "time an op is the H100's, not fitted",
-                      "median 3.8% off, -11.5% to +9.1%", cells=11),
+    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far), none host-bound; its bandwidth over the
+    # H100's, 1.47, is near the two cards' HBM's (4.8 / 3.35 TB/s: 1.43); the H100's rates predict these cells median
+    # 3.2% off, -1.6% to +18.5% (eager attention's the most)
+    "h200": StepRates(751.4, 9155.7, 1.840, 4.863,
+                      "12 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
+                      "llama3b-predicted-h200-torch211-20261129d, playbook-predicted-h200-torch211-20261129d), seq "
+                      "2048, batch 2 and 4; no cell host-bound: host time an op is the H100's, not fitted",
+                      "median 3.5% off, -12.0% to +7.4%", cells=12),
 }
 
 
