@@ -447,6 +447,9 @@ def largest_text(found: Largest) -> str:
         figures = [f"{label} {p[column]:.2f} GiB" for label, column in (
             ("peak allocated", "peak_allocated_gib"), ("whole device", "device_peak_gib"),
             ("smallest card", "least_card_gib")) if p.get(column) is not None]
+        ms = predicted_step_ms(found.answers[size])
+        if ms is not None and size == f.largest_ok:  # what the answer costs: the one size that is trained at
+            figures.append(f"{tokens_per_s(found.answers[size], ms):,.0f} tokens/s (step {ms:.0f} ms)")
         lines.append(f"  {found.axis} {size}: {found.answers[size].verdict}, " + ", ".join(figures))
     needs = {size: need for size, a in found.answers.items() if (need := _need_gib(a)) is not None}
     seen = fit.not_monotone_text({size: a.verdict == "fits" for size, a in found.answers.items()

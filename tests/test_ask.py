@@ -306,6 +306,14 @@ def test_the_largest_search_says_when_a_size_failed_below_one_that_fits() -> Non
     assert "not monotone: 5 (24.50 GiB) not fitting, below 6 (23.90 GiB) fitting" in text
     del answers[5]
     assert "not monotone" not in ask.largest_text(found)
+    # the answer's cost, where its step is timed (bench/predict/steptime.py): tokens/s at the largest that fits only
+    work = {"step_tflop": 1.0, "step_ops": 1000, "step_kernels": 800, "step_compute_tflop": 1.0, "step_memory_gb": 10.0}
+    answers[6] = replace(answers[6], predicted={**answers[6].predicted, **work})
+    answers[7] = replace(answers[7], predicted={**answers[7].predicted, **work})
+    ms = ask.predicted_step_ms(answers[6])
+    assert ms is not None and f"batch 6: fits, whole device 23.90 GiB, smallest card 23.90 GiB, " \
+        f"{ask.tokens_per_s(answers[6], ms):,.0f} tokens/s (step {ms:.0f} ms)" in ask.largest_text(found)
+    assert "batch 7: does not fit, whole device 25.00 GiB, smallest card 25.00 GiB\n" in ask.largest_text(found)
 
 
 def test_a_zero_cell_is_answered_as_a_hybrid_with_its_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
