@@ -311,9 +311,10 @@ def test_the_largest_search_says_when_a_size_failed_below_one_that_fits() -> Non
     answers[6] = replace(answers[6], predicted={**answers[6].predicted, **work})
     answers[7] = replace(answers[7], predicted={**answers[7].predicted, **work})
     ms = ask.predicted_step_ms(answers[6])
-    assert ms is not None and f"batch 6: fits, whole device 23.90 GiB, smallest card 23.90 GiB, " \
+    assert ms is not None and f"batch 6: fits, peak allocated 10.00 GiB, whole device 23.90 GiB, smallest card 23.90 GiB, " \
         f"{ask.tokens_per_s(answers[6], ms):,.0f} tokens/s (step {ms:.0f} ms)" in ask.largest_text(found)
-    assert "batch 7: does not fit, whole device 25.00 GiB, smallest card 25.00 GiB\n" in ask.largest_text(found)
+    assert "batch 7: does not fit, peak allocated 10.00 GiB, whole device 25.00 GiB, smallest card 25.00 GiB\n" in \
+        ask.largest_text(found)
 
 
 def test_a_zero_cell_is_answered_as_a_hybrid_with_its_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
