@@ -181,7 +181,7 @@ def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
     if timed.empty:
         return []
     rates = steptime.RATES.get(str(timed.iloc[0]["gpu_kind"]))
-    record = f" (fitted on {rates.cells} measured cells; each left out of the fit was predicted {rates.left_out})" \
+    record = f", fitted on {rates.cells} measured cells: each left out of the fit was predicted {rates.left_out}" \
         if rates else ""
     return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
             "kernels, FLOPs and bytes at the GPU kind's rates of the day (bench/predict/steptime.py" + record + "); "
