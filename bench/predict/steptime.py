@@ -12,8 +12,9 @@ slower of the two sets the pace:
 Four rates a GPU kind, fitted to the measured step times of published cells (`fit`, tools/fit_step_time.py)
 and written in RATES with the run they come from; their error, each cell predicted by rates fitted
 without it, is in results/PREDICTION.md. Not modelled: overlap of one kernel with the next, kernels'
-efficiency by shape, communication between ranks, copies between host and device (offload), and a
-ZeRO engine's own work: those cells are not predicted (`unsupported_reason`).
+efficiency by shape, communication between ranks, copies between host and device (offload), a ZeRO
+engine's own work, and kernels slower than their bytes say (bitsandbytes' 8-bit optimizer step): those
+cells are not predicted (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
     squares each), judge again, until no cell changes side (or 50 rounds: the best seen is kept). A side
     with too few cells to fit keeps the start's rates (`start`, else START): `host_bound_cells` says so."""
     columns, seconds = _columns(works), np.asarray(measured_ms, dtype=float) / 1000
-    rates = replace(start, fitted_on=fitted_on) if start else StepRates(*START, fitted_on=fitted_on)
-    rates = replace(rates, cells=len(works))
+    rates = replace(start if start else StepRates(*START, fitted_on=""), fitted_on=fitted_on, left_out="",
+                    cells=len(works))
     best, best_loss = rates, math.inf
     device_bound = np.zeros(len(seconds), dtype=bool)
     for round_ in range(50):
