@@ -285,7 +285,7 @@ def predicted_step_ms(a: Answer) -> float | None:
 
 def tokens_per_s(a: Answer, step_ms: float) -> float:
     """The positions a step of this cell trains, over its time."""
-    return a.cell.batch_size * a.cell.seq_len / (step_ms / 1000)
+    return steptime.tokens_per_s(a.cell.batch_size, a.cell.seq_len, step_ms)
 
 
 def _step_time_line(a: Answer) -> str:

@@ -306,7 +306,7 @@ def _predicted_rate(search: pd.Series) -> str:
     step_ms = search.get("step_ms")
     if not search.get("largest_ok") or step_ms is None or pd.isna(step_ms):
         return ""
-    return f"{search['batch_size'] * search['seq_len'] / (step_ms / 1000):,.0f}"
+    return f"{steptime.tokens_per_s(search['batch_size'], search['seq_len'], step_ms):,.0f}"
 
 
 def _gib(x: float | None) -> str:

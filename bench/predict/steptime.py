@@ -66,6 +66,11 @@ def host_ms(work: StepWork, rates: StepRates) -> float:
     return 1000 * work.ops * rates.op_us * 1e-6
 
 
+def tokens_per_s(batch_size: int, seq_len: int, step_ms: float) -> float:
+    """The positions a step trains (every row padded to seq_len), a second at that step time."""
+    return batch_size * seq_len / (step_ms / 1000)
+
+
 def bound(work: StepWork, rates: StepRates) -> str:
     """Which of the two sets the predicted pace: "device" or "host"."""
     return "device" if device_ms(work, rates) >= host_ms(work, rates) else "host"
