@@ -13,6 +13,9 @@ computed here once so the page's script stays small:
 - `need_gib`: the card the cell needs, what the "fits in N GiB" control compares: a measured cell's
   device peak; a prediction's smallest card (`least_card_gib`: the allocator releasing its cache and
   retrying where it must), else its device peak.
+- `tokens_per_s`: a measured cell's (the median of its repeats); a prediction's from its step time predicted
+  at its GPU kind's rates fitted today (bench/predict/steptime.py), None where the model does not time its
+  stack or rank count or the row counted no work (an older method's).
 - `error`: for a prediction of a cell also measured on its GPU, (predicted − measured) / measured
   peak reserved: this prediction's own, so an older one replaced by a newer shows what it predicted.
 - `primary`: the record that stands for its cell among the runs of the same source and GPU (ok before
@@ -32,7 +35,7 @@ from typing import Any
 import pandas as pd
 
 from .. import results
-from ..predict import gpus
+from ..predict import gpus, steptime
 from ..predict import report as predict_report
 from ..views import by_cell
 
@@ -54,6 +57,8 @@ class SiteData:
     predictor: dict[str, Any]  # the one-rank fake run's measured error (peak reserved) over the cells measured too,
     # and the stacks those cells have (a prediction of another stack is checked only through its techniques)
     sources: list[str] = field(default_factory=list)  # parquet files read, relative to the results dir
+    step_time: dict[str, dict[str, Any]] = field(default_factory=dict)  # GPU name -> the step time model's fit:
+    # how many measured cells, and their errors each left out of it (a predicted tokens/s's accuracy)
 
 
 def unit_of(column: str) -> str:
@@ -100,7 +105,7 @@ def collect(results_dir: Path) -> SiteData:
     summary = _predictor_summary(predict_report.pairs(measured, predict_report.predictions(results_dir,
                                                                                            every_software=True)))
     return SiteData(cells, column_definitions(), summary,
-                    [str(p.relative_to(results_dir)) for p in tables])
+                    [str(p.relative_to(results_dir)) for p in tables], _step_time_fits())
 
 
 def _clean(row: dict[str, Any]) -> dict[str, Any]:
@@ -131,19 +136,29 @@ def _record(row: dict[str, Any], source: str) -> dict[str, Any]:
         device = row.get("device_peak_gib", peak)
         need = device if row.get("least_card_gib") is None else row["least_card_gib"]
         capacity = row.get("gpu_memory_gib")
+        tokens_per_s = _predicted_tokens_per_s(row)
     else:
         peak = row.get("peak_reserved_gib") if on_gpu else row.get("host_rss_peak_gib")
         device = need = row.get("nvml_peak_gib", peak) if on_gpu else None
         capacity = row.get("gpu_memory_gib") if on_gpu else None
+        tokens_per_s = row.get("tokens_per_s")
     return {
         "key": f"{row['run_id']}/{row['cell_id']}", "cell_id": row["cell_id"], "source": source,
         "run_id": row["run_id"], "matrix": row.get("matrix"), "model": row["model"], "seq_len": row["seq_len"],
         "batch_size": row["batch_size"], "gpus": row.get("gpus", 1), "stack": row["stack"],
         "techniques": _techniques(row.get("stack_json")), "status": row["status"], "gpu": _gpu(row, source),
         "capacity_gib": capacity, "peak_gib": peak, "device_gib": device, "need_gib": need,
-        "tokens_per_s": row.get("tokens_per_s"), "started_at": row.get("started_at", ""), "error": None,
+        "tokens_per_s": tokens_per_s, "started_at": row.get("started_at", ""), "error": None,
         "row": row,
     }
+
+
+def _predicted_tokens_per_s(row: dict[str, Any]) -> float | None:
+    """A prediction's tokens/s at its GPU kind's rates of today (not the `step_ms` it kept when made, so every
+    prediction on the page is timed by the same fit), None where not predicted."""
+    step_ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), _techniques(row.get("stack_json")),
+                                    int(row.get("gpus", 1)))
+    return None if step_ms is None else steptime.tokens_per_s(int(row["batch_size"]), int(row["seq_len"]), step_ms)
 
 
 def _error(cell: dict[str, Any], measured_reserved_gib: float | None) -> float | None:
@@ -169,6 +184,11 @@ def _mark_primary(cells: list[dict[str, Any]], gpu_software: str | None) -> None
             best[key] = cell
     for cell in best.values():
         cell["primary"] = True
+
+
+def _step_time_fits() -> dict[str, dict[str, Any]]:
+    return {gpus.GPUS[key].name: {"cells": rates.cells, "left_out": rates.left_out}
+            for key, rates in steptime.RATES.items() if key in gpus.GPUS}
 
 
 def _predictor_summary(both: pd.DataFrame) -> dict[str, Any]:

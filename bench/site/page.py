@@ -45,7 +45,7 @@ def write_site(results_dir: Path, out_dir: Path, results_url: str | None = None)
 def render(data: SiteData, results_dir: Path, results_url: str) -> str:
     sections = [_markdown_section(anchor, results_dir / name, results_url) for anchor, name in MARKDOWN_SECTIONS]
     payload = {"cells": [cell for cell in data.cells if cell["primary"]], "columns": data.columns, "predictor": data.predictor,
-               "resultsUrl": results_url}
+               "stepTime": data.step_time, "resultsUrl": results_url}
     return (HERE / "template.html").read_text().format(
         style=(HERE / "site.css").read_text(),
         script=(HERE / "site.js").read_text(),

@@ -108,12 +108,25 @@ function needCell(c) {
   return el("td", { class: "fraction-only", title: FRACTION_ONLY }, gib(c.need_gib) + "*");
 }
 
+// A predicted tokens/s's accuracy: the step time model's fit for the cell's GPU (bench/predict/steptime.py).
+function stepTimeNote(cell) {
+  const fit = DATA.stepTime[cell.gpu];
+  if (cell.source !== "predicted" || !fit) return null;
+  return `predicted tokens/s: the step time from the work the fake run counted, at the ${cell.gpu}'s rates fitted ` +
+    `on ${fit.cells} measured cells (each left out of the fit: ${fit.left_out})`;
+}
+function tpsCell(c) {
+  return el("td", c.tokens_per_s && c.source === "predicted" ? { title: stepTimeNote(c) } : {}, tps(c.tokens_per_s));
+}
+
 function fitsFor(cells) {
-  // Per stack: the measured cell that fits with the most tokens/s, else the predicted one with the largest batch.
+  // Per stack: the measured cell that fits with the most tokens/s, else the predicted one with the most predicted
+  // tokens/s (then the largest batch: a stack whose step time is not predicted).
   const best = [];
+  const faster = (a, b) => (b.tokens_per_s || -1) - (a.tokens_per_s || -1) || b.batch_size - a.batch_size;
   for (const group of groupBy(cells, (c) => c.stack).values()) {
-    const measured = group.filter((c) => c.source === "measured").sort((a, b) => b.tokens_per_s - a.tokens_per_s);
-    const predicted = group.filter((c) => c.source === "predicted").sort((a, b) => b.batch_size - a.batch_size);
+    const measured = group.filter((c) => c.source === "measured").sort(faster);
+    const predicted = group.filter((c) => c.source === "predicted").sort(faster);
     best.push(measured[0] || predicted[0]);
   }
   return best.sort((a, b) => (b.tokens_per_s || -1) - (a.tokens_per_s || -1) || a.need_gib - b.need_gib);
@@ -144,7 +157,7 @@ function renderFits() {
           onclick: () => showDetail(c),
         },
         el("td", {}, c.stack), el("td", {}, c.batch_size), needCell(c),
-        el("td", {}, tps(c.tokens_per_s)),
+        tpsCell(c),
         el("td", {}, c === fastest ? el("span", { class: "badge fastest" }, "fastest") : null,
           c.source === "predicted" ? el("span", { class: "badge predicted", title: predictorNote(c) }, "predicted")
             : null))))));
@@ -245,41 +258,57 @@ function scatter(points, capacity, style) {
       svg("text", { x: sx(capacity) - 4, y: box.top + 10, "text-anchor": "end", fill: "#b42318" },
         `capacity ${capacity.toFixed(1)} GiB`));
   }
-  const front = paretoFront(points);
-  root.append(svg("polyline", { class: "front", points: front.map((p) => `${sx(p.peak_gib)},${sy(p.tokens_per_s)}`).join(" ") }));
+  // one front a source: a measured front and a predicted one, never a line joining a measurement to a prediction
+  const fronts = ["measured", "predicted"].map((source) => paretoFront(points.filter((p) => p.source === source)));
+  for (const [i, front] of fronts.entries()) {
+    if (front.length) {
+      root.append(svg("polyline", { class: "front" + (i ? " predicted" : ""),
+        points: front.map((p) => `${sx(p.peak_gib)},${sy(p.tokens_per_s)}`).join(" ") }));
+    }
+  }
   for (const p of points) {
     const { colour, shape } = style.get(p.stack);
     const x = sx(p.peak_gib), y = sy(p.tokens_per_s);
-    const node = marker(shape, x, y, 5.5, { fill: colour, class: "point" + (front.includes(p) ? " on-front" : ""),
-      "data-key": p.key, tabindex: "0" });
-    node.append(svg("title", {}, `${p.stack}, batch ${p.batch_size}: ${gib(p.peak_gib)} GiB, ${tps(p.tokens_per_s)} tokens/s`));
+    const predicted = p.source === "predicted";
+    const attrs = { fill: colour, class: "point" + (fronts.some((f) => f.includes(p)) ? " on-front" : ""),
+      "data-key": p.key, tabindex: "0" };
+    // a prediction is hollow, outlined in its stack's colour (a style: the stylesheet's outline would win over
+    // an attribute)
+    if (predicted) Object.assign(attrs, { fill: "#ffffff", style: `stroke:${colour}`, class: attrs.class + " predicted" });
+    const node = marker(shape, x, y, 5.5, attrs);
+    node.append(svg("title", {}, `${predicted ? "PREDICTED: " : ""}${p.stack}, batch ${p.batch_size}: ` +
+      `${gib(p.peak_gib)} GiB, ${tps(p.tokens_per_s)} tokens/s` + (predicted ? ` (${stepTimeNote(p)})` : "")));
     node.addEventListener("click", () => showDetail(p));
     root.append(node, svg("text", { x: x + 7, y: y - 5, "font-size": "9" }, String(p.batch_size)));
   }
   return root;
 }
 
-function legend(stacks, style) {
-  return el("ul", { class: "legend", "aria-label": "stacks" }, stacks.map((stack) => {
+function legend(stacks, style, withPredicted) {
+  const item = (shape, attrs, text) => el("li", {}, svg("svg", { width: 14, height: 14, viewBox: "0 0 14 14" },
+    marker(shape, 7, 7, 5, attrs)), text);
+  const outline = { stroke: "#1b1f24", "stroke-width": 0.7 };
+  const sources = withPredicted ? [item("circle", { fill: "#7F7F7F", ...outline }, "measured"),
+    item("circle", { fill: "#ffffff", stroke: "#7F7F7F", "stroke-width": 1.8 }, "predicted (hollow)")] : [];
+  return el("ul", { class: "legend", "aria-label": "stacks" }, sources, stacks.map((stack) => {
     const { colour, shape } = style.get(stack);
-    return el("li", {}, svg("svg", { width: 14, height: 14, viewBox: "0 0 14 14" },
-      marker(shape, 7, 7, 5, { fill: colour, stroke: "#1b1f24", "stroke-width": 0.7 })), stack);
+    return item(shape, { fill: colour, ...outline }, stack);
   }));
 }
 
 function renderCharts() {
   const out = document.getElementById("charts-out");
   out.replaceChildren();
-  const measured = shownCells().filter((c) => c.source === "measured" && c.status === "ok" && c.gpus === 1
-    && c.tokens_per_s && c.peak_gib);
-  const groups = groupBy(measured, (c) => `${c.gpu} · ${c.model} · seq ${c.seq_len}`);
+  const timed = shownCells().filter((c) => c.status === "ok" && c.gpus === 1 && c.tokens_per_s && c.peak_gib);
+  const groups = groupBy(timed, (c) => `${c.gpu} · ${c.model} · seq ${c.seq_len}`);
   for (const [title, points] of [...groups.entries()].sort()) {
     const stacks = [...new Set(points.map((p) => p.stack))].sort((a, b) => (a !== "baseline") - (b !== "baseline") || a.localeCompare(b));
     const style = styleOf(stacks);
     out.append(el("div", { class: "chart" }, el("h3", {}, title),
-      el("div", { class: "chart-row" }, scatter(points, points[0].capacity_gib, style), legend(stacks, style))));
+      el("div", { class: "chart-row" }, scatter(points, points[0].capacity_gib, style),
+        legend(stacks, style, points.some((p) => p.source === "predicted")))));
   }
-  if (!groups.size) out.append(el("p", { class: "note" }, "No measured cell matches the filters."));
+  if (!groups.size) out.append(el("p", { class: "note" }, "No cell with a measured or predicted tokens/s matches the filters."));
 }
 
 // ---- the cell table ---------------------------------------------------------------------------------
@@ -371,6 +400,7 @@ function showDetail(cell) {
     el("p", {}, cell.source === "predicted" ? el("span", { class: "badge predicted" }, predictorNote(cell))
       : el("span", { class: "badge" }, "measured"), ` ${cell.gpu} · status ${cell.status} · run ${cell.run_id} · `,
     `peak ${gib(cell.peak_gib)} GiB · device ${gib(cell.device_gib)} GiB · ${tps(cell.tokens_per_s)} tokens/s`),
+    cell.source === "predicted" && cell.tokens_per_s ? el("p", { class: "note" }, stepTimeNote(cell)) : null,
     el("h3", {}, "Re-run this cell"), el("pre", { class: "rerun" }, row.rerun_cmd || "–"),
     ...traceSection(cell),
     el("h3", {}, "Evidence that the stack applied"),
