@@ -294,13 +294,16 @@ def _step_time_line(a: Answer) -> str:
     rates = steptime.RATES.get(a.card.key)
     if ms is None:
         why = (f"no {a.card.name} has measured steps to fit its rates on" if rates is None else
-               steptime.unsupported_reason(a.cell.stack.names, a.cell.gpus) or "the step's work was not counted")
+               steptime.unsupported_reason(a.cell.stack.names, a.cell.gpus, rates) or "the step's work was not counted")
         return f"  step time       not predicted: {why}"
-    work = steptime.work_of(a.predicted)
+    work = steptime.cell_work(a.predicted, a.cell.stack.names)
     assert rates is not None and work is not None  # else predicted_ms is None
+    eight_bit = (f"; bitsandbytes' 8-bit optimizer step at its own rate a parameter, fitted on "
+                 f"{rates.optimizer_8bit_cells} cells, each left out predicted {rates.optimizer_8bit_left_out}"
+                 if work.optimizer_8bit_params else "")
     return (f"  step time       {ms:8.0f} ms    {tokens_per_s(a, ms):,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
             f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.cells} measured cells; "
-            f"each left out of the fit was predicted {rates.left_out} (results/PREDICTION.md, Step time)")
+            f"each left out of the fit was predicted {rates.left_out}{eight_bit} (results/PREDICTION.md, Step time)")
 
 
 def _paged_state_gib(p: dict[str, Any], card: gpus.GpuKind) -> float:

@@ -185,8 +185,7 @@ def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
         if rates else ""
     return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
             "kernels, FLOPs and bytes at the GPU kind's rates of the day (bench/predict/steptime.py" + record + "); "
-            "empty for a stack not timed (ZeRO, offload, QLoRA, 8-bit optimizers and others: README, How long a step "
-            "takes)."]
+            "empty for a stack its prediction did not time (README, How long a step takes, says which)."]
 
 
 def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:

@@ -476,3 +476,14 @@ def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.
     from bench import ask_stacks
 
     assert ask_stacks.row(_answer(**work))["tokens_per_s"] == "1,600"
+    # bitsandbytes' 8-bit optimizer step: its own rate a trainable parameter, and its fit said; without one, why not
+    cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 1, stack="adamw8bit"))
+    eight_bit = ask.Answer(cell, H100, {"status": "ok", "peak_allocated_gib": 10.0, **work,
+                                        "trainable_params": 10**9}, ())
+    assert "not predicted: adamw8bit: bitsandbytes' 8-bit optimizer step runs slower" in ask.text(eight_bit)
+    monkeypatch.setitem(steptime.RATES, "h100", replace(
+        steptime.RATES["h100"], optimizer_8bit_ps=20.0, optimizer_8bit_cells=4,
+        optimizer_8bit_left_out="median 3.0% off, -4.0% to +3.0%"))
+    text = ask.text(eight_bit)  # + 10^9 parameters x 20 ps
+    assert "step time             60 ms    1,067 tokens/s, device-bound" in text
+    assert "8-bit optimizer step at its own rate a parameter, fitted on 4 cells, each left out predicted median 3.0%" in text

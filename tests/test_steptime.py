@@ -3,6 +3,8 @@ and its fit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 import torch
@@ -121,11 +123,39 @@ def test_a_stack_the_model_does_not_time_has_no_step_time():
 
 def test_the_report_times_only_cells_it_can():
     row = {"cell_id": "c", "gpu_name": "NVIDIA H100 80GB HBM3", "step_ms_p50": 250.0, "gpus": 1, "step_tflop": 1.0,
-           "step_ops": 10, "step_kernels": 5, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
+           "step_ops": 10, "step_kernels": 5, "step_compute_tflop": 1.0, "step_memory_gb": 1.0,
+           "trainable_params": 999, "trainable_params_predicted": 1000}
     both = pd.DataFrame([{**row, "stack": "gc"}, {**row, "stack": "zero2"}, {**row, "stack": "gc", "step_ops": None},
-                         {**row, "stack": "gc", "gpu_name": "NVIDIA H200"}])
+                         {**row, "stack": "gc", "gpu_name": "NVIDIA H200"}, {**row, "stack": "adamw8bit"}])
     timed = steptime_report.timed(both, "h100")
-    assert list(timed["stack"]) == ["gc"] and timed["work"].iloc[0].ops == 10
+    assert list(timed["stack"]) == ["gc", "adamw8bit"] and timed["work"].iloc[0].ops == 10
+    assert [w.optimizer_8bit_params for w in timed["work"]] == [0, 1000]  # the prediction's own parameters
+    # rates without the 8-bit optimizer's cannot predict its cell: the report leaves it out
+    assert list(steptime_report.timed(both, "h100", RATES)["stack"]) == ["gc"]
+
+
+def test_the_8bit_optimizers_rate_is_fitted_to_its_cells_alone():
+    """bitsandbytes' 8-bit step: a rate a trainable parameter, fitted once the four are fitted to the other cells
+    (which it does not move), and each of its cells left out predicted by the others."""
+    works = _works()
+    measured = [steptime.step_ms(w, RATES) for w in works]
+    with_8bit = replace(RATES, optimizer_8bit_ps=30.0)
+    device_bound = [w for w in works if steptime.bound(w, RATES) == "device"]  # as the fit takes these cells
+    eight_bit = [replace(w, optimizer_8bit_params=params) for w, params in zip(device_bound[:4], (3e9, 1e9, 8e9, 2e9),
+                                                                                strict=True)]
+    eight_ms = [steptime.step_ms(w, with_8bit) for w in eight_bit]
+    eight_ms[0] *= 1.05  # noise on one cell
+    found = steptime.fit([*works, *eight_bit], [*measured, *eight_ms], "synthetic")
+    alone = steptime.fit(works, measured, "synthetic")
+    assert (found.matmul_tflops, found.memory_gbps, found.op_us) == (alone.matmul_tflops, alone.memory_gbps,
+                                                                       alone.op_us)
+    assert found.optimizer_8bit_ps == pytest.approx(30.0, rel=0.05) and found.optimizer_8bit_cells == 4
+    assert alone.optimizer_8bit_ps is None and alone.cells == found.cells == len(works)
+    left_out = steptime.left_out_errors([*works, *eight_bit], [*measured, *eight_ms])
+    assert left_out[len(works)] < 0  # the noisy cell, predicted by the three exact ones: short
+    assert max(abs(e) for e in left_out[len(works) + 1:]) > 0  # the others, with it in their fit
+    assert steptime.unsupported_reason(("adamw8bit",), 1, RATES) and not steptime.unsupported_reason(
+        ("adamw8bit",), 1, with_8bit)
 
 
 def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
@@ -145,7 +175,13 @@ def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
     assert gc["step_ms"] == pytest.approx(steptime.step_ms(work, steptime.RATES["h100"]))
     eight_bit = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("adamw8bit")),
                                   gpus.get("h100"))
-    assert eight_bit["step_ops"] > 0 and eight_bit["step_ms"] is None
+    # bitsandbytes' 8-bit step: its counted work, and its own rate for each trainable parameter
+    work = steptime.cell_work(eight_bit, ("adamw8bit",))
+    assert work is not None and work.optimizer_8bit_params == eight_bit["trainable_params"] > 0
+    h100 = steptime.RATES["h100"]
+    assert eight_bit["step_ms"] == pytest.approx(steptime.step_ms(work, h100))
+    assert steptime.device_ms(work, h100) - steptime.device_ms(steptime.work_of(eight_bit), h100) == pytest.approx(
+        eight_bit["trainable_params"] * h100.optimizer_8bit_ps * 1e-9)
     assert fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")),
                              gpus.get("a100"))["step_ms"] is None
 

@@ -4,7 +4,8 @@
 
 The cells: every published GPU cell of that kind whose newest prediction counted the step's work
 (fake-run/14 on) and whose stack the model times (bench/predict/steptime_report.py `timed`). Prints the
-rates as a line of RATES, the in-sample and left-out errors, and each cell's; writes nothing. Exit 2 on
+rates as a line of RATES (with bitsandbytes' 8-bit optimizer's rate where its cells exist), the in-sample and
+left-out errors, and each cell's; writes nothing. Exit 2 on
 bad input, 1 with fewer than 8 cells to fit. Where no cell is host-bound, the host's rate is not fitted: it
 is the start's (`--start KIND`: another kind's fitted rates; else steptime.START), and the line says so.
 """
@@ -53,9 +54,14 @@ def main() -> int:
               f"left out {lo:+7.1%} {steptime.bound(r['work'], rates)}")
     print("in sample: " + steptime.error_summary([steptime.step_ms(w, rates) / m - 1
                                                    for w, m in zip(works, measured, strict=True)]))
-    summary = steptime.error_summary(left_out)
+    plain = steptime.error_summary([e for w, e in zip(works, left_out, strict=True) if not w.optimizer_8bit_params])
     print(f'    "{args.gpu}": StepRates({rates.matmul_tflops:.1f}, {rates.memory_gbps:.1f}, {rates.kernel_us:.3f}, '
-          f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{summary}", cells={rates.cells}),')
+          f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{plain}", cells={rates.cells}', end="")
+    if rates.optimizer_8bit_ps is not None:
+        eight_bit = steptime.error_summary([e for w, e in zip(works, left_out, strict=True) if w.optimizer_8bit_params])
+        print(f",\n               optimizer_8bit_ps={rates.optimizer_8bit_ps:.2f}, "
+              f'optimizer_8bit_cells={rates.optimizer_8bit_cells}, optimizer_8bit_left_out="{eight_bit}"', end="")
+    print("),")
     return 0
 
 

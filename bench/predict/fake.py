@@ -164,14 +164,14 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "total_params": built.total_params,
         "trainable_params": built.trainable_params,
         "flops_per_token": built.flops_per_token,
-        **_work(cell, counter.steps[-1].work, gpu),
+        **_work(cell, counter.steps[-1].work, gpu, built.trainable_params),
         "allocations": len(counter.records),
         "phase_timeline_json": json.dumps(_timeline(counter)),
         **_host(cell, counter),
     }
 
 
-def _work(cell: Cell, work: StepWork | None, gpu: GpuKind) -> dict[str, Any]:
+def _work(cell: Cell, work: StepWork | None, gpu: GpuKind, trainable_params: int) -> dict[str, Any]:
     """The last step's work (a steady one): its FLOPs, and what its time is predicted from, and that time at
     the GPU kind's rates of the day (bench/predict/steptime.py; kept, so a later fit cannot make it in-sample);
     none where kernels the dispatcher does not see do work it cannot count."""
@@ -179,7 +179,9 @@ def _work(cell: Cell, work: StepWork | None, gpu: GpuKind) -> dict[str, Any]:
         return {}
     columns = {"step_tflop": work.flops / 1e12, "step_ops": work.ops, "step_kernels": work.kernels,
                "step_compute_tflop": work.compute_flops / 1e12, "step_memory_gb": work.memory_bytes / 1e9}
-    return {**columns, "step_ms": steptime.predicted_ms(columns, gpu.key, cell.stack.names, cell.gpus)}
+    step_ms = steptime.predicted_ms({**columns, "trainable_params": trainable_params}, gpu.key, cell.stack.names,
+                                    cell.gpus)
+    return {**columns, "step_ms": step_ms}
 
 
 def _save(cell: Cell, counter: MemoryCounter, built: trainer.Built, reserved_gib: float) -> dict[str, Any]:

@@ -12,9 +12,12 @@ slower of the two sets the pace:
 Four rates a GPU kind, fitted to the measured step times of published cells (`fit`, tools/fit_step_time.py)
 and written in RATES with the run they come from; their error, each cell predicted by rates fitted
 without it, is in results/PREDICTION.md. Not modelled: overlap of one kernel with the next, kernels'
-efficiency by shape, communication between ranks, copies between host and device (offload), a ZeRO
-engine's own work, and kernels slower than their bytes say (bitsandbytes' 8-bit optimizer step): those
-cells are not predicted (`unsupported_reason`).
+efficiency by shape, communication between ranks, copies between host and device (offload) and a ZeRO
+engine's own work: those cells are not predicted (`unsupported_reason`).
+
+One kernel is slower than its bytes say: bitsandbytes' 8-bit optimizer step. It gets a fifth rate, device
+time a trainable parameter, fitted to the measured cells with that optimizer once the four are fitted to
+the others (`fit`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class StepWork:
     kernels: int  # of those, the ones that launch a kernel on a GPU
     compute_flops: int  # FLOPs of the compute-bound kernels
     memory_bytes: int  # bytes read and written by the memory-bound ones
+    optimizer_8bit_params: int = 0  # trainable parameters bitsandbytes' 8-bit optimizer steps (cell_work)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,11 @@ class StepRates:
     fitted_on: str  # the measured run(s) and cells they were fitted to
     left_out: str = ""  # the errors of those cells, each predicted by rates fitted to the others
     cells: int = 0  # how many measured cells they were fitted to
+    # bitsandbytes' 8-bit optimizer step: device time a trainable parameter beyond its counted bytes, ps (None:
+    # no measured cell of it to fit), and the cells it was fitted to with their left-out errors
+    optimizer_8bit_ps: float | None = None
+    optimizer_8bit_cells: int = 0
+    optimizer_8bit_left_out: str = ""
 
 
 def step_ms(work: StepWork, rates: StepRates) -> float:
@@ -59,7 +68,7 @@ def step_ms(work: StepWork, rates: StepRates) -> float:
 
 def device_ms(work: StepWork, rates: StepRates) -> float:
     return 1000 * (work.compute_flops / (rates.matmul_tflops * 1e12) + work.memory_bytes / (rates.memory_gbps * 1e9)
-                   + work.kernels * rates.kernel_us * 1e-6)
+                   + work.kernels * rates.kernel_us * 1e-6 + work.optimizer_8bit_params * (rates.optimizer_8bit_ps or 0) * 1e-12)
 
 
 def host_ms(work: StepWork, rates: StepRates) -> float:
@@ -87,6 +96,16 @@ def work_of(row: Mapping[str, Any]) -> StepWork | None:
     return StepWork(round(tflop * 1e12), round(ops), round(kernels), round(compute_tflop * 1e12), round(memory_gb * 1e9))
 
 
+def cell_work(row: Mapping[str, Any], stack_names: Sequence[str]) -> StepWork | None:
+    """A prediction row's work with what its stack adds beyond the counted kernels: the trainable parameters
+    (the row's `trainable_params`) a bitsandbytes 8-bit optimizer steps."""
+    work = work_of(row)
+    if work is None or not set(stack_names) & SLOWER_THAN_COUNTED:
+        return work
+    params: Any = row.get("trainable_params")
+    return None if _missing(params) else replace(work, optimizer_8bit_params=int(params))
+
+
 def _missing(value: Any) -> bool:
     """None, NaN or pandas' NA (a table's empty cell)."""
     try:
@@ -99,8 +118,8 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack_names: Sequence[str
     """A prediction row's step time on its GPU kind, ms; None where not predicted (no rates for the kind,
     no work counted, a stack or rank count the model does not time)."""
     rates = RATES.get(gpu_key)
-    work = work_of(row)
-    if rates is None or work is None or unsupported_reason(stack_names, gpus):
+    work = cell_work(row, stack_names)
+    if rates is None or work is None or unsupported_reason(stack_names, gpus, rates):
         return None
     return step_ms(work, rates)
 
@@ -112,17 +131,22 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack_names: Sequence[str
 # compute-bound kernels reached. Fitted under the releases the GPU ran (torch 2.11.0, transformers 5.17.0).
 RATES: dict[str, StepRates] = {
     "h100": StepRates(807.6, 6221.8, 0.906, 4.863,
-                      "52 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
+                      "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
                       "llama3b-predicted-h100-torch211-20261129c)",
-                      "median 3.3% off, -22.5% to +20.4%", cells=52),
+                      "median 3.3% off, -22.5% to +20.4%", cells=52,
+                      optimizer_8bit_ps=27.80, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 3.0% off, -4.4% to +3.6%"),
     # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far), none host-bound; its bandwidth over the
     # H100's, 1.47, is near the two cards' HBM's (4.8 / 3.35 TB/s: 1.43); the H100's rates predict these cells median
-    # 3.2% off, -1.6% to +18.5% (eager attention's the most)
+    # 3.2% off, -1.6% to +18.5% (eager attention's the most). The 8-bit optimizer's rate a parameter is the H100's
+    # within 1.2%, though the H200 moves bytes 1.43 times as fast: that step is not bandwidth-bound.
     "h200": StepRates(751.4, 9155.7, 1.840, 4.863,
-                      "12 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
+                      "16 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
                       "llama3b-predicted-h200-torch211-20261129d, playbook-predicted-h200-torch211-20261129d), seq "
                       "2048, batch 2 and 4; no cell host-bound: host time an op is the H100's, not fitted",
-                      "median 3.5% off, -12.0% to +7.4%", cells=12),
+                      "median 3.5% off, -12.0% to +7.4%", cells=12,
+                      optimizer_8bit_ps=28.13, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 4.8% off, -10.4% to +9.1%"),
 }
 
 
@@ -131,23 +155,33 @@ RATES: dict[str, StepRates] = {
 # own work, compiled kernels the fake run runs unfused.
 UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3", "compile"})
 
-# Kernels whose work is counted but whose time is not the model's: bitsandbytes' 8-bit optimizer step is one op per
+# Kernels whose work is counted but whose time is not their bytes': bitsandbytes' 8-bit optimizer step is one op per
 # parameter reading and writing 6-8 bytes of it, yet on the H100 it took 95-112 ms a step for Llama-3.2-3B's 3.2B
-# parameters (adamw8bit: 315.6 ms at seq 2048 batch 2, AdamW 220.4), a model fitted on the other cells predicting it
-# 20-29% short. A rate of their own needs more cells than the four measured.
+# parameters (adamw8bit: 315.6 ms at seq 2048 batch 2, AdamW 220.4), the four rates predicting it 20-29% short;
+# about as long on the H200 with its 1.43 times the bandwidth: its time goes on (de)quantizing each element, not on
+# moving it. Timed by a rate a parameter of its own (StepRates.optimizer_8bit_ps).
 SLOWER_THAN_COUNTED = frozenset({"adamw8bit", "paged_adamw8bit"})
 
 
-def unsupported_reason(stack_names: Sequence[str], gpus: int) -> str | None:
-    """Why a cell's step time is not predicted, or None."""
+def untimed_reason(stack_names: Sequence[str], gpus: int) -> str | None:
+    """Why the model cannot time a cell on any GPU kind (several ranks, a technique in UNTIMED), or None."""
     if gpus > 1:
         return "communication between ranks is not modelled"
     untimed = sorted(set(stack_names) & UNTIMED)
     if untimed:
         return f"{', '.join(untimed)}: work the fake run does not see or the model does not time"
+    return None
+
+
+def unsupported_reason(stack_names: Sequence[str], gpus: int, rates: StepRates | None = None) -> str | None:
+    """Why a cell's step time is not predicted on a GPU kind with these rates, or None."""
+    untimed = untimed_reason(stack_names, gpus)
+    if untimed:
+        return untimed
     slower = sorted(set(stack_names) & SLOWER_THAN_COUNTED)
-    if slower:
-        return f"{', '.join(slower)}: bitsandbytes' 8-bit optimizer step runs slower than its bytes say (not modelled)"
+    if slower and (rates is None or rates.optimizer_8bit_ps is None):
+        return (f"{', '.join(slower)}: bitsandbytes' 8-bit optimizer step runs slower than its bytes say, and no "
+                "measured cell of it on this GPU kind fits its rate")
     return None
 
 
@@ -157,7 +191,33 @@ START = (800.0, 3000.0, 2.0, 5.0)
 
 def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
         start: StepRates | None = None) -> StepRates:
-    """The rates that best predict the measured step times (least squares of the relative error). The model
+    """The rates that best predict the measured step times (least squares of the relative error): the four
+    fitted to the cells without a bitsandbytes 8-bit optimizer (`_fit_four`), then its rate a parameter to
+    the cells with one, their other work timed by the four."""
+    plain = [i for i, w in enumerate(works) if not w.optimizer_8bit_params]
+    eight_bit = [i for i, w in enumerate(works) if w.optimizer_8bit_params]
+    rates = _fit_four([works[i] for i in plain], [measured_ms[i] for i in plain], fitted_on, start)
+    return replace(rates, optimizer_8bit_ps=_fit_8bit([works[i] for i in eight_bit],
+                                                      [measured_ms[i] for i in eight_bit], rates),
+                   optimizer_8bit_cells=len(eight_bit))
+
+
+def _fit_8bit(works: Sequence[StepWork], measured_ms: Sequence[float], rates: StepRates) -> float | None:
+    """The 8-bit optimizer step's device time a parameter, ps, that best predicts these cells (least squares of
+    the relative error, closed form: one coefficient), their other work at `rates`; None without a cell. The
+    step adds device time, so each cell is taken as device-bound (the measured ones are, by far)."""
+    if not works:
+        return None
+    seconds = np.asarray(measured_ms, dtype=float) / 1000
+    other = np.array([device_ms(replace(w, optimizer_8bit_params=0), rates) for w in works]) / 1000
+    per_param = np.array([w.optimizer_8bit_params for w in works], dtype=float) / seconds
+    per_param_s = float(np.sum(per_param * (1 - other / seconds)) / np.sum(per_param**2))
+    return max(per_param_s, 0.0) * 1e12
+
+
+def _fit_four(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
+               start: StepRates | None = None) -> StepRates:
+    """The four rates that best predict the measured step times (least squares of the relative error). The model
     is the larger of two sums, each linear in the inverse rates, so: judge each cell device- or host-bound,
     fit the device's three rates to the device-bound cells and the host's to the host-bound (linear least
     squares each), judge again, until no cell changes side (or 50 rounds: the best seen is kept). A side

@@ -2,7 +2,8 @@
 
 The cells: published GPU cells (`report.pairs`: measured, `ok`, beside their prediction) whose prediction
 counted the step's work (fake-run/14 on) and whose stack and rank count the model times
-(bench/predict/steptime.py). The measured step time is the median of the measured steps (step_ms_p50).
+(bench/predict/steptime.py), a bitsandbytes 8-bit optimizer's cells among them (their own rate is fitted to
+them). The measured step time is the median of the measured steps (step_ms_p50).
 """
 
 from __future__ import annotations
@@ -15,23 +16,31 @@ from . import steptime
 from .gpus import GPUS
 
 
-def timed(both: pd.DataFrame, gpu_key: str) -> pd.DataFrame:
-    """The pairs measured on this GPU kind whose step time can be set beside a prediction, with their work
-    (`work`, a StepWork)."""
+def timed(both: pd.DataFrame, gpu_key: str, rates: steptime.StepRates | None = None) -> pd.DataFrame:
+    """The pairs measured on this GPU kind whose step time can be set beside a prediction (with `rates`: one these
+    rates predict), with their work (`work`, a StepWork)."""
     if both.empty or "step_ops" not in both:
         return both.iloc[0:0].assign(work=[])
     rows = both[(both["gpu_name"] == GPUS[gpu_key].name) & both["step_ms_p50"].notna()]
-    works = [steptime.work_of(r) if steptime.unsupported_reason(parse_stack(r["stack"]).names, int(r["gpus"])) is None
-             else None for _, r in rows.iterrows()]
+    works = [_work(r, rates) for _, r in rows.iterrows()]
     rows = rows.assign(work=works)
     return rows[rows["work"].notna()]
 
 
+def _work(r: pd.Series, rates: steptime.StepRates | None) -> steptime.StepWork | None:
+    names, gpus = parse_stack(r["stack"]).names, int(r["gpus"])
+    if steptime.untimed_reason(names, gpus) or (rates is not None and steptime.unsupported_reason(names, gpus, rates)):
+        return None
+    # the predicted row's parameters: a prediction's work is its own
+    return steptime.cell_work({**r, "trainable_params": r.get("trainable_params_predicted")}, names)
+
+
 def fitted(both: pd.DataFrame, gpu_key: str, fitted_on: str,
            start: steptime.StepRates | None = None) -> steptime.StepRates | None:
-    """The rates fitted to this GPU kind's timed cells (tools/fit_step_time.py), None with fewer than 8."""
+    """The rates fitted to this GPU kind's timed cells (tools/fit_step_time.py), None with fewer than 8 to fit the
+    four rates to."""
     rows = timed(both, gpu_key)
-    if len(rows) < 8:
+    if sum(not w.optimizer_8bit_params for w in rows["work"]) < 8:
         return None
     return steptime.fit(list(rows["work"]), list(rows["step_ms_p50"]), fitted_on, start)
 
@@ -41,7 +50,7 @@ def section(both: pd.DataFrame) -> list[str]:
     and with the cell left out of the fit."""
     lines: list[str] = []
     for key, rates in steptime.RATES.items():
-        rows = timed(both, key)
+        rows = timed(both, key, rates)
         if rows.empty:
             continue
         works, measured = list(rows["work"]), list(rows["step_ms_p50"])
@@ -61,8 +70,9 @@ def section(both: pd.DataFrame) -> list[str]:
                  "bandwidth, a gap per kernel) and the host's (a time per op dispatched), four rates a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
                  "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
-                 "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA, "
-                 "8-bit optimizers and several-rank cells are not timed.", "", *lines]
+                 "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA and "
+                 "several-rank cells are not timed. bitsandbytes' 8-bit optimizer step, slower than its bytes "
+                 "say, adds a fifth rate: device time a trainable parameter, fitted to its cells alone.", "", *lines]
     return lines
 
 
@@ -76,9 +86,16 @@ def _as_predicted_then(r: pd.Series) -> str:
 def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.Series) -> list[str]:
     return [f"### {GPUS[key].name}", "",
             f"Rates: {rates.matmul_tflops:.0f} TFLOP/s, {rates.memory_gbps:.0f} GB/s, {rates.kernel_us:.2f} µs a "
-            f"kernel, {rates.op_us:.2f} µs of host time an op; fitted on {rates.fitted_on}.", "",
+            f"kernel, {rates.op_us:.2f} µs of host time an op; fitted on {rates.fitted_on}.{_8bit(rates)}", "",
             f"{len(errors)} cells: abs error median {errors.abs().median():.1%}, max {errors.abs().max():.1%}; "
             f"left out: median {left_out.abs().median():.1%}, max {left_out.abs().max():.1%}, "
             f"{(left_out.abs() > 0.1).sum()} over 10%.", "",
             "| cell | stack | seq | batch | measured ms | predicted ms | error | left out | as predicted then | bound |",
             "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def _8bit(rates: steptime.StepRates) -> str:
+    if rates.optimizer_8bit_ps is None:
+        return ""
+    return (f" bitsandbytes' 8-bit optimizer step: {rates.optimizer_8bit_ps:.1f} ps a trainable parameter, fitted on "
+            f"{rates.optimizer_8bit_cells} cells (each left out: {rates.optimizer_8bit_left_out}).")
