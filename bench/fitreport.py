@@ -10,6 +10,7 @@ import pandas as pd
 
 from . import fit, peers, results
 from .predict import gpus, steptime
+from .stacks import parse_stack
 from .views import code_cell, gib, rate
 
 
@@ -183,6 +184,10 @@ def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
     rates = steptime.RATES.get(str(timed.iloc[0]["gpu_kind"]))
     record = f", fitted on {rates.cells} measured cells: each left out of the fit was predicted {rates.left_out}" \
         if rates else ""
+    eight_bit = timed["stack"].map(lambda stack: bool(set(parse_stack(stack).names) & steptime.SLOWER_THAN_COUNTED))
+    if rates and rates.optimizer_8bit_ps is not None and eight_bit.any():
+        record += (f"; bitsandbytes' 8-bit optimizer step at {rates.optimizer_8bit_ps:.1f} ps a trainable parameter, "
+                   f"fitted on {rates.optimizer_8bit_cells} cells: each left out predicted {rates.optimizer_8bit_left_out}")
     return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
             "kernels, FLOPs and bytes at the GPU kind's rates of the day (bench/predict/steptime.py" + record + "); "
             "empty for a stack its prediction did not time (README, How long a step takes, says which)."]

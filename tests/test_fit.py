@@ -446,3 +446,16 @@ def test_the_smallest_card_is_never_above_a_budget_the_step_runs_within() -> Non
     assert fake.replayed_columns(cell, events, [], [], gpus.GpuKind("test", "a test card", (9, 0)))[
         "least_torch_gib"] * 1024 == pytest.approx(50)  # nor its capacity: bisected from what it reserves unbounded
     assert without["least_torch_gib"] == without["least_card_gib"]  # with its context measured (0 here)
+
+
+def test_the_tokens_per_s_bullet_names_the_8bit_optimizers_rate_where_the_board_times_one() -> None:
+    from bench import fitreport
+    from bench.predict import steptime
+
+    h100 = steptime.RATES["h100"]
+    plain = pd.DataFrame([{"gpu_kind": "h100", "stack": "gc", "step_ms": 100.0}])
+    eight_bit = pd.DataFrame([{"gpu_kind": "h100", "stack": "gc + adamw8bit", "step_ms": 100.0}])
+    assert "8-bit" not in "".join(fitreport._step_time_bullet(plain))
+    assert (f"8-bit optimizer step at {h100.optimizer_8bit_ps:.1f} ps a trainable parameter, fitted on "
+            f"{h100.optimizer_8bit_cells} cells") in "".join(fitreport._step_time_bullet(eight_bit))
+    assert fitreport._step_time_bullet(plain.assign(step_ms=None)) == []  # nothing timed: no bullet
