@@ -134,6 +134,26 @@ def test_the_report_times_only_cells_it_can():
     assert list(steptime_report.timed(both, "h100", RATES)["stack"]) == ["gc"]
 
 
+def test_a_techniques_host_factor_is_fitted_where_host_bound_cells_show_it():
+    """gc's ops cost the host more than a plain op (the checkpoint's recomputation), LoRA's less: a factor a
+    technique, found by the fit from cells made with known factors; a kind whose host side is another's keeps it."""
+    works = _works()
+    with_gc = [replace(w, host_techniques=frozenset({"gc"})) for w in works[:5]]
+    with_lora = [replace(w, host_techniques=frozenset({"lora"})) for w in works[5:]]
+    made = replace(RATES, host_factors=(("gc", 1.3), ("lora", 0.75)))
+    cells = [*with_gc, *with_lora, *works]
+    measured = [steptime.step_ms(w, made) for w in cells]
+    found = steptime.fit(cells, measured, "synthetic")
+    assert dict(found.host_factors) == {"gc": 1.3, "lora": 0.75}
+    assert found.op_us == pytest.approx(10, rel=0.02)
+    chatty = StepWork(flops=0, ops=20_000, kernels=15_000, compute_flops=int(1e12), memory_bytes=int(1e9))
+    assert steptime.host_ms(replace(chatty, host_techniques=frozenset({"gc", "lora"})), made) == pytest.approx(
+        200.0 * 1.3 * 0.75)  # both: their product
+    kept = steptime.fit(works, [m * 1.1 for m in measured[-len(works):]], "device alone",
+                        replace(made, host_fitted=False))
+    assert (kept.op_us, kept.host_factors, kept.host_fitted) == (made.op_us, made.host_factors, False)
+
+
 def test_the_8bit_optimizers_rate_is_fitted_to_its_cells_alone():
     """bitsandbytes' 8-bit step: a rate a trainable parameter, fitted once the four are fitted to the other cells
     (which it does not move), and each of its cells left out predicted by the others."""
@@ -170,8 +190,9 @@ def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
     matrix = spec.from_mapping("t", {"models": ["tiny-llama"], "seq_lens": [64], "batch_sizes": [2],
                                      "stacks": ["gc"], "device": "cuda"})
     gc = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")), gpus.get("h100"))
-    work = steptime.work_of(gc)
+    work = steptime.cell_work(gc, ("gc",))
     assert work is not None and work.kernels < work.ops and work.memory_bytes > 0
+    assert work.host_techniques == {"gc"}  # a recomputed step's ops cost the host more (its factor)
     assert gc["step_ms"] == pytest.approx(steptime.step_ms(work, steptime.RATES["h100"]))
     eight_bit = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("adamw8bit")),
                                   gpus.get("h100"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +28,9 @@ def main() -> int:
     parser.add_argument("gpu", help=f"GPU kind: {', '.join(gpus.GPUS)}")
     parser.add_argument("--results", type=Path, default=REPO / "results")
     parser.add_argument("--start", help="start from this GPU kind's fitted rates (a side no cell fits keeps them)")
+    parser.add_argument("--keep-host", action="store_true",
+                        help="with --start: keep its host rate and factors, fit the device's side alone (a kind whose "
+                             "cells are too few or too large to show the host's pace)")
     args = parser.parse_args()
     for kind in (args.gpu, args.start):
         if kind is not None and kind not in gpus.GPUS:
@@ -35,7 +39,12 @@ def main() -> int:
     if args.start is not None and args.start not in steptime.RATES:
         print(f"fit_step_time: no fitted rates for {args.start!r} to start from", file=sys.stderr)
         return 2
+    if args.keep_host and args.start is None:
+        print("fit_step_time: --keep-host needs --start KIND (whose host rate to keep)", file=sys.stderr)
+        return 2
     start = steptime.RATES[args.start] if args.start else None
+    if start is not None and args.keep_host:
+        start = replace(start, host_fitted=False)
     both = report.checked(args.results)
     rows = steptime_report.timed(both, args.gpu)
     runs = ", ".join(sorted({part for v in rows["run_id"] for part in str(v).split(", ")}))
@@ -45,7 +54,9 @@ def main() -> int:
         print(f"fit_step_time: {len(rows)} timed cells on {args.gpu}: too few to fit four rates", file=sys.stderr)
         return 1
     works, measured = list(rows["work"]), list(rows["step_ms_p50"])
-    if not steptime.host_bound_cells(works, rates):
+    if args.keep_host:
+        fitted_on += f"; host time an op and its factors are {args.start}'s, kept"
+    elif not steptime.host_bound_cells(works, rates):
         fitted_on += f"; no cell host-bound: host time an op is {args.start or 'the start'}'s, not fitted"
     left_out = steptime.left_out_errors(works, measured, start)
     for (_, r), lo in zip(rows.iterrows(), left_out, strict=True):
@@ -57,6 +68,10 @@ def main() -> int:
     plain = steptime.error_summary([e for w, e in zip(works, left_out, strict=True) if not w.optimizer_8bit_params])
     print(f'    "{args.gpu}": StepRates({rates.matmul_tflops:.1f}, {rates.memory_gbps:.1f}, {rates.kernel_us:.3f}, '
           f'{rates.op_us:.3f},\n               "{fitted_on}",\n               "{plain}", cells={rates.cells}', end="")
+    if rates.host_factors:
+        print(f",\n               host_factors={rates.host_factors!r}", end="")
+    if not rates.host_fitted:
+        print(",\n               host_fitted=False", end="")
     if rates.optimizer_8bit_ps is not None:
         eight_bit = steptime.error_summary([e for w, e in zip(works, left_out, strict=True) if w.optimizer_8bit_params])
         print(f",\n               optimizer_8bit_ps={rates.optimizer_8bit_ps:.2f}, "

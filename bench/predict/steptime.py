@@ -6,7 +6,7 @@ ones; the worker's measured steps follow each other without a synchronisation, s
 slower of the two sets the pace:
 
     device time = compute-bound FLOPs / matmul rate + memory-bound bytes / bandwidth + kernels x launch gap
-    host time   = ops dispatched x host time an op
+    host time   = ops dispatched x host time an op (x a factor for a stack with gc or LoRA)
     step time   = the larger of the two
 
 Four rates a GPU kind, fitted to the measured step times of published cells (`fit`, tools/fit_step_time.py)
@@ -14,6 +14,13 @@ and written in RATES with the run they come from; their error, each cell predict
 without it, is in results/PREDICTION.md. Not modelled: overlap of one kernel with the next, kernels'
 efficiency by shape, communication between ranks, copies between host and device (offload) and a ZeRO
 engine's own work: those cells are not predicted (`unsupported_reason`).
+
+An op's host time depends on the stack: under gc the recomputed forward runs each layer again under the
+checkpoint's saved-tensor hooks (a recomputed op cost the host about twice a plain one: the split of
+gc's ops by who dispatched them, 2026-11-29), and LoRA adds many small ops whose backward the autograd
+engine dispatches cheaply. One host rate for all missed small gc steps by up to 22% short and LoRA's 20%
+long, so the host's time is multiplied by a factor a technique (HOST_FACTOR_TECHNIQUES), fitted with the
+rates.
 
 One kernel is slower than its bytes say: bitsandbytes' 8-bit optimizer step. It gets a fifth rate, device
 time a trainable parameter, fitted to the measured cells with that optimizer once the four are fitted to
@@ -41,6 +48,7 @@ class StepWork:
     compute_flops: int  # FLOPs of the compute-bound kernels
     memory_bytes: int  # bytes read and written by the memory-bound ones
     optimizer_8bit_params: int = 0  # trainable parameters bitsandbytes' 8-bit optimizer steps (cell_work)
+    host_techniques: frozenset[str] = frozenset()  # the stack's techniques with a host factor (cell_work)
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,8 @@ class StepRates:
     optimizer_8bit_ps: float | None = None
     optimizer_8bit_cells: int = 0
     optimizer_8bit_left_out: str = ""
+    host_factors: tuple[tuple[str, float], ...] = ()  # (technique, its ops' host time over a plain op's); 1 if absent
+    host_fitted: bool = True  # False: op_us and host_factors are another kind's, kept (too few host-bound cells)
 
 
 def step_ms(work: StepWork, rates: StepRates) -> float:
@@ -72,7 +82,12 @@ def device_ms(work: StepWork, rates: StepRates) -> float:
 
 
 def host_ms(work: StepWork, rates: StepRates) -> float:
-    return 1000 * work.ops * rates.op_us * 1e-6
+    return 1000 * work.ops * rates.op_us * 1e-6 * host_factor(work, rates.host_factors)
+
+
+def host_factor(work: StepWork, factors: Sequence[tuple[str, float]]) -> float:
+    """What the stack's techniques multiply an op's host time by (1 without one)."""
+    return math.prod(value for technique, value in factors if technique in work.host_techniques)
 
 
 def tokens_per_s(batch_size: int, seq_len: int, step_ms: float) -> float:
@@ -97,10 +112,13 @@ def work_of(row: Mapping[str, Any]) -> StepWork | None:
 
 
 def cell_work(row: Mapping[str, Any], stack_names: Sequence[str]) -> StepWork | None:
-    """A prediction row's work with what its stack adds beyond the counted kernels: the trainable parameters
-    (the row's `trainable_params`) a bitsandbytes 8-bit optimizer steps."""
+    """A prediction row's work with what its stack adds beyond the counted kernels: its techniques with a host
+    factor, and the trainable parameters (the row's `trainable_params`) a bitsandbytes 8-bit optimizer steps."""
     work = work_of(row)
-    if work is None or not set(stack_names) & SLOWER_THAN_COUNTED:
+    if work is None:
+        return None
+    work = replace(work, host_techniques=frozenset(stack_names) & HOST_FACTOR_TECHNIQUES)
+    if not set(stack_names) & SLOWER_THAN_COUNTED:
         return work
     params: Any = row.get("trainable_params")
     return None if _missing(params) else replace(work, optimizer_8bit_params=int(params))
@@ -130,21 +148,24 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack_names: Sequence[str
 # exceeds an H100's 3.35 TB/s of HBM; the matmul rate is the dense bf16 peak's (989 TFLOP/s) share the
 # compute-bound kernels reached. Fitted under the releases the GPU ran (torch 2.11.0, transformers 5.17.0).
 RATES: dict[str, StepRates] = {
-    "h100": StepRates(807.6, 6221.8, 0.906, 4.863,
+    "h100": StepRates(797.5, 5896.2, 0.311, 5.468,
                       "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
                       "llama3b-predicted-h100-torch211-20261129c)",
-                      "median 3.3% off, -22.5% to +20.4%", cells=52,
-                      optimizer_8bit_ps=27.80, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 3.0% off, -4.4% to +3.6%"),
-    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far), none host-bound; its bandwidth over the
-    # H100's, 1.47, is near the two cards' HBM's (4.8 / 3.35 TB/s: 1.43); the H100's rates predict these cells median
-    # 3.2% off, -1.6% to +18.5% (eager attention's the most). The 8-bit optimizer's rate a parameter is the H100's
-    # within 1.2%, though the H200 moves bytes 1.43 times as fast: that step is not bandwidth-bound.
-    "h200": StepRates(751.4, 9155.7, 1.840, 4.863,
+                      "median 2.9% off, -11.3% to +10.1%", cells=52,
+                      host_factors=(("gc", 1.2), ("lora", 0.8)),
+                      optimizer_8bit_ps=29.03, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 2.9% off, -4.3% to +3.3%"),
+    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far), none host-bound at the H100's host rate
+    # (kept: fitting it here would rest on one cell); its bandwidth over the H100's, 1.55 (the two cards' HBM: 4.8 /
+    # 3.35 TB/s, 1.43); the H100's rates predict these 16 cells median 4.8% off, -8.0% to +19.6% (eager attention's the
+    # most). The 8-bit optimizer's rate a parameter is the H100's within 3.1%, though the H200 moves bytes 1.43 times as
+    # fast: that step is not bandwidth-bound.
+    "h200": StepRates(751.4, 9155.7, 1.840, 5.468,
                       "16 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
                       "llama3b-predicted-h200-torch211-20261129d, playbook-predicted-h200-torch211-20261129d), seq "
-                      "2048, batch 2 and 4; no cell host-bound: host time an op is the H100's, not fitted",
+                      "2048, batch 2 and 4; host time an op and its factors are the H100's, kept",
                       "median 3.5% off, -12.0% to +7.4%", cells=12,
+                      host_factors=(("gc", 1.2), ("lora", 0.8)), host_fitted=False,
                       optimizer_8bit_ps=28.13, optimizer_8bit_cells=4,
                       optimizer_8bit_left_out="median 4.8% off, -10.4% to +9.1%"),
 }
@@ -161,6 +182,10 @@ UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce
 # about as long on the H200 with its 1.43 times the bandwidth: its time goes on (de)quantizing each element, not on
 # moving it. Timed by a rate a parameter of its own (StepRates.optimizer_8bit_ps).
 SLOWER_THAN_COUNTED = frozenset({"adamw8bit", "paged_adamw8bit"})
+
+# Techniques whose ops cost the host other than a plain op (the module's docstring), and the factors a fit tries.
+HOST_FACTOR_TECHNIQUES = frozenset({"gc", "lora"})
+FACTOR_GRID = tuple(round(0.6 + 0.05 * i, 2) for i in range(19))  # 0.60 to 1.50
 
 
 def untimed_reason(stack_names: Sequence[str], gpus: int) -> str | None:
@@ -192,14 +217,45 @@ START = (800.0, 3000.0, 2.0, 5.0)
 def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
         start: StepRates | None = None) -> StepRates:
     """The rates that best predict the measured step times (least squares of the relative error): the four
-    fitted to the cells without a bitsandbytes 8-bit optimizer (`_fit_four`), then its rate a parameter to
+    fitted to the cells without a bitsandbytes 8-bit optimizer with the host factors (`_fit_host_factors`; the
+    start's host rate and factors where it says `host_fitted=False`), then the optimizer's rate a parameter to
     the cells with one, their other work timed by the four."""
     plain = [i for i, w in enumerate(works) if not w.optimizer_8bit_params]
     eight_bit = [i for i, w in enumerate(works) if w.optimizer_8bit_params]
-    rates = _fit_four([works[i] for i in plain], [measured_ms[i] for i in plain], fitted_on, start)
+    plain_works, plain_ms = [works[i] for i in plain], [measured_ms[i] for i in plain]
+    if start is not None and not start.host_fitted:  # the host's side is the start's: the device's alone is fitted
+        rates = replace(_fit_four(plain_works, plain_ms, fitted_on, start, start.host_factors, fit_host=False),
+                        host_fitted=False)
+    else:
+        rates = _fit_host_factors(plain_works, plain_ms, fitted_on, start)
     return replace(rates, optimizer_8bit_ps=_fit_8bit([works[i] for i in eight_bit],
                                                       [measured_ms[i] for i in eight_bit], rates),
                    optimizer_8bit_cells=len(eight_bit))
+
+
+def _fit_host_factors(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
+                      start: StepRates | None) -> StepRates:
+    """The four rates with each technique's host factor (FACTOR_GRID) that fit best: a coordinate search, two
+    passes over the techniques the works carry. A factor no host-bound cell shows (every value fits alike) keeps
+    the start's."""
+    factors = dict(start.host_factors) if start else {}
+    present = sorted(set().union(*(w.host_techniques for w in works))) if works else []
+    best = _fit_four(works, measured_ms, fitted_on, start, tuple(sorted(factors.items())))
+    for _ in range(2):
+        for technique in present:
+            tried = {value: _fit_four(works, measured_ms, fitted_on, start,
+                                      tuple(sorted({**factors, technique: value}.items())))
+                     for value in FACTOR_GRID}
+            losses = {value: _loss(works, measured_ms, rates) for value, rates in tried.items()}
+            if max(losses.values()) - min(losses.values()) > 1e-12:
+                factors[technique] = min(losses, key=lambda value: losses[value])
+                best = tried[factors[technique]]
+    return best
+
+
+def _loss(works: Sequence[StepWork], measured_ms: Sequence[float], rates: StepRates) -> float:
+    """The fit's objective: the sum of squared relative errors."""
+    return sum((step_ms(w, rates) / m - 1) ** 2 for w, m in zip(works, measured_ms, strict=True))
 
 
 def _fit_8bit(works: Sequence[StepWork], measured_ms: Sequence[float], rates: StepRates) -> float | None:
@@ -216,15 +272,16 @@ def _fit_8bit(works: Sequence[StepWork], measured_ms: Sequence[float], rates: St
 
 
 def _fit_four(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
-               start: StepRates | None = None) -> StepRates:
+               start: StepRates | None = None, host_factors: tuple[tuple[str, float], ...] = (),
+               fit_host: bool = True) -> StepRates:
     """The four rates that best predict the measured step times (least squares of the relative error). The model
     is the larger of two sums, each linear in the inverse rates, so: judge each cell device- or host-bound,
     fit the device's three rates to the device-bound cells and the host's to the host-bound (linear least
     squares each), judge again, until no cell changes side (or 50 rounds: the best seen is kept). A side
     with too few cells to fit keeps the start's rates (`start`, else START): `host_bound_cells` says so."""
-    columns, seconds = _columns(works), np.asarray(measured_ms, dtype=float) / 1000
+    columns, seconds = _columns(works, host_factors), np.asarray(measured_ms, dtype=float) / 1000
     rates = replace(start if start else StepRates(*START, fitted_on=""), fitted_on=fitted_on, left_out="",
-                    cells=len(works))
+                    cells=len(works), host_factors=host_factors)
     best, best_loss = rates, math.inf
     device_bound = np.zeros(len(seconds), dtype=bool)
     for round_ in range(50):
@@ -233,8 +290,10 @@ def _fit_four(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on
             break
         device_bound = judged
         inverse = _least_squares(columns[device_bound, :3], seconds[device_bound], fallback=_inverse(rates)[:3])
-        host = _least_squares(columns[~device_bound, 3:], seconds[~device_bound], fallback=_inverse(rates)[3:])
-        rates = _rates(np.concatenate([inverse, host]), fitted_on, len(works))
+        host = _inverse(rates)[3:]
+        if fit_host:
+            host = _least_squares(columns[~device_bound, 3:], seconds[~device_bound], fallback=host)
+        rates = _rates(np.concatenate([inverse, host]), fitted_on, len(works), host_factors)
         loss = float(np.sum((np.array([step_ms(w, rates) for w in works]) / 1000 / seconds - 1) ** 2))
         if loss < best_loss:
             best, best_loss = rates, loss
@@ -268,10 +327,10 @@ def _inverse(rates: StepRates) -> np.ndarray:
                      rates.op_us * 1e-6])
 
 
-def _rates(inverse: np.ndarray, fitted_on: str, cells: int) -> StepRates:
+def _rates(inverse: np.ndarray, fitted_on: str, cells: int, host_factors: tuple[tuple[str, float], ...]) -> StepRates:
     per_flop, per_byte, per_kernel, per_op = (max(float(v), 1e-30) for v in inverse)  # 0: a rate without bound
     return StepRates(1e-12 / per_flop, 1e-9 / per_byte, per_kernel * 1e6, per_op * 1e6, fitted_on=fitted_on,
-                     cells=cells)
+                     cells=cells, host_factors=host_factors)
 
 
 def left_out_errors(works: Sequence[StepWork], measured_ms: Sequence[float],
@@ -290,6 +349,7 @@ def error_summary(errors: Sequence[float]) -> str:
     return f"median {statistics.median(abs(e) for e in errors):.1%} off, {min(errors):+.1%} to {max(errors):+.1%}"
 
 
-def _columns(works: Sequence[StepWork]) -> np.ndarray:
-    """The works as rows of (compute FLOPs, memory bytes, kernels, ops)."""
-    return np.array([(w.compute_flops, w.memory_bytes, w.kernels, w.ops) for w in works], dtype=float).reshape(-1, 4)
+def _columns(works: Sequence[StepWork], host_factors: Sequence[tuple[str, float]]) -> np.ndarray:
+    """The works as rows of (compute FLOPs, memory bytes, kernels, ops weighed by their host factor)."""
+    return np.array([(w.compute_flops, w.memory_bytes, w.kernels, w.ops * host_factor(w, host_factors)) for w in works],
+                    dtype=float).reshape(-1, 4)

@@ -67,7 +67,8 @@ def section(both: pd.DataFrame) -> list[str]:
         lines = ["## Step time (predicted)", "",
                  "How long a step takes, predicted from the work the fake run dispatched (bench/predict/steptime.py): "
                  "the larger of the device's time (compute-bound FLOPs at a matmul rate, memory-bound bytes at a "
-                 "bandwidth, a gap per kernel) and the host's (a time per op dispatched), four rates a GPU kind "
+                 "bandwidth, a gap per kernel) and the host's (a time per op dispatched, times a factor under gc "
+                 "and under LoRA), four rates and the factors a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
                  "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
                  "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA and "
@@ -86,7 +87,8 @@ def _as_predicted_then(r: pd.Series) -> str:
 def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.Series) -> list[str]:
     return [f"### {GPUS[key].name}", "",
             f"Rates: {rates.matmul_tflops:.0f} TFLOP/s, {rates.memory_gbps:.0f} GB/s, {rates.kernel_us:.2f} µs a "
-            f"kernel, {rates.op_us:.2f} µs of host time an op; fitted on {rates.fitted_on}.{_8bit(rates)}", "",
+            f"kernel, {rates.op_us:.2f} µs of host time an op{_factors(rates)}; fitted on {rates.fitted_on}.{_8bit(rates)}",
+            "",
             f"{len(errors)} cells: abs error median {errors.abs().median():.1%}, max {errors.abs().max():.1%}; "
             f"left out: median {left_out.abs().median():.1%}, max {left_out.abs().max():.1%}, "
             f"{(left_out.abs() > 0.1).sum()} over 10%.", "",
@@ -99,3 +101,7 @@ def _8bit(rates: steptime.StepRates) -> str:
         return ""
     return (f" bitsandbytes' 8-bit optimizer step: {rates.optimizer_8bit_ps:.1f} ps a trainable parameter, fitted on "
             f"{rates.optimizer_8bit_cells} cells (each left out: {rates.optimizer_8bit_left_out}).")
+
+
+def _factors(rates: steptime.StepRates) -> str:
+    return "".join(f", x {value:g} under {technique}" for technique, value in rates.host_factors)
