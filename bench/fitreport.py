@@ -175,12 +175,26 @@ def _context_unmeasured(predictions: pd.DataFrame, gpu_name: str) -> list[str]:
             f"context ({gpus.GPUS['h100'].outside_torch_gib:.2f} GiB on an H100)."]
 
 
+def step_ms_now(predictions: pd.DataFrame) -> dict[tuple[str, str, int, int], float]:
+    """Each prediction's step time at its GPU kind's rates fitted now (bench/predict/steptime.py), by (model,
+    stack, seq, batch); a prediction the model does not time is absent. Not the `step_ms` a prediction kept,
+    at the rates of its day: a board shows the same figure as `bench ask` and the results page."""
+    out = {}
+    for row in predictions.to_dict("records"):
+        names = parse_stack(str(row["stack"])).names
+        ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), names, int(row.get("gpus") or 1))
+        if ms is not None and row.get("status") == "ok":
+            out[(str(row["model"]), str(row["stack"]), int(row["seq_len"]), int(row["batch_size"]))] = ms
+    return out
+
+
 def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
     """What *tokens/s there* is, where some prediction has a step time."""
-    timed = predictions[pd.to_numeric(predictions.get("step_ms"), errors="coerce").notna()] \
-        if "step_ms" in predictions else predictions.iloc[0:0]
-    if timed.empty:
+    timed_keys = step_ms_now(predictions)
+    if not timed_keys:
         return []
+    timed = predictions[[(str(r["model"]), str(r["stack"]), int(r["seq_len"]), int(r["batch_size"])) in timed_keys
+                         for r in predictions.to_dict("records")]]
     rates = steptime.RATES.get(str(timed.iloc[0]["gpu_kind"]))
     record = f", fitted on {rates.cells} measured cells: each left out of the fit was predicted {rates.left_out}" \
         if rates else ""
@@ -189,13 +203,15 @@ def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
         record += (f"; bitsandbytes' 8-bit optimizer step at {rates.optimizer_8bit_ps:.1f} ps a trainable parameter, "
                    f"fitted on {rates.optimizer_8bit_cells} cells: each left out predicted {rates.optimizer_8bit_left_out}")
     return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
-            "kernels, FLOPs and bytes at the GPU kind's rates of the day (bench/predict/steptime.py" + record + "); "
-            "empty for a stack its prediction did not time (README, How long a step takes, says which)."]
+            "kernels, FLOPs and bytes at the GPU kind's rates fitted now (bench/predict/steptime.py" + record + "); "
+            "empty for a stack the model does not time (README, How long a step takes, says which). The step time "
+            "each prediction kept when made, at the rates of its day, is its `step_ms`."]
 
 
 def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_name: str) -> str:
     first = predictions.iloc[0]
     methods = ", ".join(sorted(set(predictions["prediction_method"].dropna())))
+    now = step_ms_now(predictions)
     lines = [f"# PREDICTED: fits on my GPU, `{first['matrix']}`", "",
              f"- **Predictions, not measurements**: run `{first['run_id']}`, each probe a fake run of the training step "
              f"(`bench predict`, method {methods}) for {gpu_name}, on {first['cpu_name']} with torch "
@@ -226,7 +242,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
             needed = fit.predicted_need_gib(r) if pd.notna(r.get("peak_allocated_gib")) else None
             peak = gib(needed) if needed is not None else ""
             lines.append(f"| {r['model']} | {code_cell(r['stack'])} | {largest} | {peak} | {_headroom(budget, needed)} | "
-                         f"{_too_big(r)} | {_predicted_rate(r)} |")
+                         f"{_too_big(r)} | {_predicted_rate(r, now)} |")
         lines.append("")
     seq_axis = summary[summary["axis"] == "seq"]
     if len(seq_axis):
@@ -235,7 +251,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
                   "|---|---|---|---|---|---|"]
         for _, r in seq_axis.sort_values(["budget_gib", "model", "stack"]).iterrows():
             lines.append(f"| {r['budget_gib']:g} | {r['model']} | {code_cell(r['stack'])} | {_int(r['largest_ok'])} | "
-                         f"{_too_big(r)} | {_predicted_rate(r)} |")
+                         f"{_too_big(r)} | {_predicted_rate(r, now)} |")
         lines.append("")
     lines += not_monotone(summary)
     lines += beside_published(summary, str(first["matrix"]), "predicted")
@@ -304,13 +320,13 @@ def plot(summary: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
-def _predicted_rate(search: pd.Series) -> str:
-    """Tokens a second at a search's answer, from the prediction's step time (bench/predict/steptime.py): empty
-    where it has none (no answer, a stack or GPU kind not timed, a row predicted before step times)."""
-    step_ms = search.get("step_ms")
-    if not search.get("largest_ok") or step_ms is None or pd.isna(step_ms):
+def _predicted_rate(search: pd.Series, now: dict[tuple[str, str, int, int], float]) -> str:
+    """Tokens a second at a search's answer, from its prediction's step time now (`step_ms_now`): empty where
+    it has none (no answer, a stack or GPU kind not timed, a row predicted before step times)."""
+    if pd.isna(search.get("largest_ok")) or not search.get("largest_ok"):
         return ""
-    return f"{steptime.tokens_per_s(search['batch_size'], search['seq_len'], step_ms):,.0f}"
+    key = (str(search["model"]), str(search["stack"]), int(search["seq_len"]), int(search["batch_size"]))
+    return f"{steptime.tokens_per_s(key[3], key[2], now[key]):,.0f}" if key in now else ""
 
 
 def _gib(x: float | None) -> str:

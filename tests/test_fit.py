@@ -448,14 +448,20 @@ def test_the_smallest_card_is_never_above_a_budget_the_step_runs_within() -> Non
     assert without["least_torch_gib"] == without["least_card_gib"]  # with its context measured (0 here)
 
 
-def test_the_tokens_per_s_bullet_names_the_8bit_optimizers_rate_where_the_board_times_one() -> None:
+def test_a_boards_tokens_per_s_is_at_todays_rates_and_names_the_8bit_rate_where_it_times_one() -> None:
     from bench import fitreport
     from bench.predict import steptime
 
     h100 = steptime.RATES["h100"]
-    plain = pd.DataFrame([{"gpu_kind": "h100", "stack": "gc", "step_ms": 100.0}])
-    eight_bit = pd.DataFrame([{"gpu_kind": "h100", "stack": "gc + adamw8bit", "step_ms": 100.0}])
+    work = {"gpu_kind": "h100", "gpus": 1, "status": "ok", "model": "m", "seq_len": 64, "batch_size": 2,
+            "trainable_params": 10**6, "step_tflop": 1.0, "step_ops": 1000, "step_kernels": 800,
+            "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
+    plain = pd.DataFrame([{**work, "stack": "gc"}])
+    eight_bit = pd.DataFrame([{**work, "stack": "gc + adamw8bit"}])
     assert "8-bit" not in "".join(fitreport._step_time_bullet(plain))
     assert (f"8-bit optimizer step at {h100.optimizer_8bit_ps:.1f} ps a trainable parameter, fitted on "
             f"{h100.optimizer_8bit_cells} cells") in "".join(fitreport._step_time_bullet(eight_bit))
-    assert fitreport._step_time_bullet(plain.assign(step_ms=None)) == []  # nothing timed: no bullet
+    assert fitreport._step_time_bullet(plain.assign(step_ops=None)) == []  # nothing timed: no bullet
+    # the step time at the rates fitted now, not the one a prediction kept when made
+    kept_then = plain.assign(step_ms=1.0)
+    assert fitreport.step_ms_now(kept_then) == {("m", "gc", 64, 2): steptime.predicted_ms(work, "h100", ["gc"], 1)}

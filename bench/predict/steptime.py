@@ -179,8 +179,8 @@ UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce
 # Kernels whose work is counted but whose time is not their bytes': bitsandbytes' 8-bit optimizer step is one op per
 # parameter reading and writing 6-8 bytes of it, yet on the H100 it took 95-112 ms a step for Llama-3.2-3B's 3.2B
 # parameters (adamw8bit: 315.6 ms at seq 2048 batch 2, AdamW 220.4), the four rates predicting it 20-29% short;
-# about as long on the H200 with its 1.43 times the bandwidth: its time goes on (de)quantizing each element, not on
-# moving it. Timed by a rate a parameter of its own (StepRates.optimizer_8bit_ps).
+# about as long on the H200 with its 1.43 times the bandwidth: its time is not spent moving bytes (the per-element
+# quantization, likely). Timed by a rate a parameter of its own (StepRates.optimizer_8bit_ps).
 SLOWER_THAN_COUNTED = frozenset({"adamw8bit", "paged_adamw8bit"})
 
 # Techniques whose ops cost the host other than a plain op (the module's docstring), and the factors a fit tries.
