@@ -259,6 +259,7 @@ def test_predicted_points_are_hollow_and_say_how_their_tokens_per_s_was_predicte
     tab.get_by_role("button", name="80 GiB").click()
     titles = tab.eval_on_selector_all(".fit-row.predicted td:nth-child(4)", "tds => tds.map(t => t.title)")
     assert any(t.startswith("predicted tokens/s: the step time") for t in titles)
+    assert tab.locator(".fit-card .note.step-time").first.inner_text() in titles
 
 
 @pytest.mark.browser

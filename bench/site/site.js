@@ -164,6 +164,9 @@ function renderFits() {
     }
     if (rows.some((c) => c.source === "predicted")) {
       card.append(el("p", { class: "note" }, "predicted: " + predictorNote({ error: null }).replace("predicted; ", "")));
+      // one line a GPU kind: each has its own fitted rates
+      const notes = new Set(rows.filter((c) => c.source === "predicted" && c.tokens_per_s).map(stepTimeNote));
+      for (const note of notes) card.append(el("p", { class: "note step-time" }, note));
     }
     grid.append(card);
   }
