@@ -188,18 +188,15 @@ def step_ms_now(predictions: pd.DataFrame) -> dict[tuple[str, str, int, int], fl
     return out
 
 
-def _step_time_bullet(predictions: pd.DataFrame) -> list[str]:
-    """What *tokens/s there* is, where some prediction has a step time."""
-    timed_keys = step_ms_now(predictions)
-    if not timed_keys:
+def _step_time_bullet(predictions: pd.DataFrame, now: dict[tuple[str, str, int, int], float]) -> list[str]:
+    """What *tokens/s there* is, where some prediction has a step time (`now`: step_ms_now's)."""
+    if not now:
         return []
-    timed = predictions[[(str(r["model"]), str(r["stack"]), int(r["seq_len"]), int(r["batch_size"])) in timed_keys
-                         for r in predictions.to_dict("records")]]
-    rates = steptime.RATES.get(str(timed.iloc[0]["gpu_kind"]))
+    rates = steptime.RATES.get(str(predictions.iloc[0]["gpu_kind"]))
     record = f", fitted on {rates.cells} measured cells: each left out of the fit was predicted {rates.left_out}" \
         if rates else ""
-    eight_bit = timed["stack"].map(lambda stack: bool(set(parse_stack(stack).names) & steptime.SLOWER_THAN_COUNTED))
-    if rates and rates.optimizer_8bit_ps is not None and eight_bit.any():
+    eight_bit = any(set(parse_stack(stack).names) & steptime.SLOWER_THAN_COUNTED for _, stack, _, _ in now)
+    if rates and rates.optimizer_8bit_ps is not None and eight_bit:
         record += (f"; bitsandbytes' 8-bit optimizer step at {rates.optimizer_8bit_ps:.1f} ps a trainable parameter, "
                    f"fitted on {rates.optimizer_8bit_cells} cells: each left out predicted {rates.optimizer_8bit_left_out}")
     return ["- *tokens/s there*: the positions of a step at the answer over its predicted time: the step's ops, "
@@ -231,7 +228,7 @@ def markdown_predicted(summary: pd.DataFrame, predictions: pd.DataFrame, gpu_nam
              "already predicted cross its budget (bisecting where they do not rise in a line): where the needs rise "
              "with the size, the boundary bisection would find, in fewer fake runs (where they do not: Not monotone).",
              "- *unsupported*: a stack the fake run does not cover yet (its reason below); no guess is made.",
-             *_step_time_bullet(predictions), *_context_unmeasured(predictions, gpu_name), ""]
+             *_step_time_bullet(predictions, now), *_context_unmeasured(predictions, gpu_name), ""]
     for (budget, seq), group in summary[summary["axis"] == "batch"].groupby(["budget_gib", "seq_len"], sort=True):
         lines += [f"## {budget:g} GiB · seq {int(seq)}: largest batch (predicted)", "",
                   "| model | stack | largest batch | predicted smallest card GiB there | headroom GiB "
