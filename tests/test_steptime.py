@@ -11,6 +11,7 @@ import torch
 
 from bench.predict import flops, steptime, steptime_report
 from bench.predict.steptime import StepRates, StepWork
+from bench.stacks import parse_stack
 
 
 def test_a_view_is_dispatched_but_launches_no_kernel():
@@ -134,6 +135,24 @@ def test_the_report_times_only_cells_it_can():
     assert list(steptime_report.timed(both, "h100", RATES)["stack"]) == ["gc"]
 
 
+def test_selective_gc_under_its_op_policy_is_not_timed_and_by_layer_it_is():
+    """The op policy sends every op through a Python dispatch mode, which the host's rate does not price (the
+    H200: 380 ms measured, 237 predicted): its cells are left out of the fit and unpredicted; checkpointing every
+    n-th layer is plain gc's work and is timed. DoRA's ops get a host factor of their own."""
+    by_ops, by_layer = parse_stack("selective_gc(every=1, ops=matmuls)"), parse_stack("selective_gc(every=2)")
+    assert steptime.timing_names(by_ops) == (steptime.POLICY_GC,)
+    assert steptime.timing_names(by_layer) == ("selective_gc",)
+    assert steptime.untimed_reason(steptime.timing_names(by_layer), 1) is None
+    assert steptime.POLICY_GC in (steptime.untimed_reason(steptime.timing_names(by_ops), 1) or "")
+    row = {"cell_id": "c", "gpu_name": "NVIDIA H100 80GB HBM3", "step_ms_p50": 250.0, "gpus": 1, "step_tflop": 1.0,
+           "step_ops": 10, "step_kernels": 5, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
+    both = pd.DataFrame([{**row, "stack": by_ops.label}, {**row, "stack": by_layer.label},
+                         {**row, "stack": "gc + dora"}])
+    timed = steptime_report.timed(both, "h100")
+    assert list(timed["stack"]) == [by_layer.label, "gc + dora"]
+    assert timed["work"].iloc[1].host_techniques == {"gc", "dora"}
+
+
 def test_a_techniques_host_factor_is_fitted_where_host_bound_cells_show_it():
     """gc's ops cost the host more than a plain op (the checkpoint's recomputation), LoRA's less: a factor a
     technique, found by the fit from cells made with known factors; a kind whose host side is another's keeps it."""
@@ -146,6 +165,8 @@ def test_a_techniques_host_factor_is_fitted_where_host_bound_cells_show_it():
     found = steptime.fit(cells, measured, "synthetic")
     assert dict(found.host_factors) == {"gc": 1.3, "lora": 0.75}
     assert found.op_us == pytest.approx(10, rel=0.02)
+    far = replace(made, op_us=1.0, host_factors=(("gc", 0.6), ("lora", 1.5)))  # no cell host-bound from here: stuck
+    assert dict(steptime.fit(cells, measured, "synthetic", far).host_factors) == {"gc": 1.3, "lora": 0.75}
     chatty = StepWork(flops=0, ops=20_000, kernels=15_000, compute_flops=int(1e12), memory_bytes=int(1e9))
     assert steptime.host_ms(replace(chatty, host_techniques=frozenset({"gc", "lora"})), made) == pytest.approx(
         200.0 * 1.3 * 0.75)  # both: their product

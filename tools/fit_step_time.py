@@ -58,7 +58,7 @@ def main() -> int:
         fitted_on += f"; host time an op and its factors are {args.start}'s, kept"
     elif not steptime.host_bound_cells(works, rates):
         fitted_on += f"; no cell host-bound: host time an op is {args.start or 'the start'}'s, not fitted"
-    left_out = steptime.left_out_errors(works, measured, start)
+    left_out = steptime.left_out_errors(works, measured, rates)  # each refit from the fit to all
     for (_, r), lo in zip(rows.iterrows(), left_out, strict=True):
         predicted = steptime.step_ms(r["work"], rates)
         print(f"{r['cell_id']:60s} {r['step_ms_p50']:8.1f} {predicted:8.1f} {predicted / r['step_ms_p50'] - 1:+7.1%} "

@@ -6,7 +6,7 @@ ones; the worker's measured steps follow each other without a synchronisation, s
 slower of the two sets the pace:
 
     device time = compute-bound FLOPs / matmul rate + memory-bound bytes / bandwidth + kernels x launch gap
-    host time   = ops dispatched x host time an op (x a factor for a stack with gc or LoRA)
+    host time   = ops dispatched x host time an op (x a factor for a stack with gc, LoRA or DoRA)
     step time   = the larger of the two
 
 Four rates a GPU kind, fitted to the measured step times of published cells (`fit`, tools/fit_step_time.py)
@@ -20,7 +20,13 @@ checkpoint's saved-tensor hooks (a recomputed op cost the host about twice a pla
 gc's ops by who dispatched them, 2026-11-29), and LoRA adds many small ops whose backward the autograd
 engine dispatches cheaply. One host rate for all missed small gc steps by up to 22% short and LoRA's 20%
 long, so the host's time is multiplied by a factor a technique (HOST_FACTOR_TECHNIQUES), fitted with the
-rates.
+rates. DoRA's weight norm adds peft's own Python ops to every adapted layer: gc + DoRA was the H200's one
+step the host set by far (743 ms measured, 9.6 µs an op), 28% long at the H100's host side.
+
+Selective checkpointing's op policy (`selective_gc(ops=matmuls)`) runs every op of forward and of the
+recompute through a Python dispatch mode that asks the policy whether to save it: on the H200 its step took
+380 ms where its counted work says 237 (13.8 µs an op). One cell cannot fit a factor of its own, so it is
+not timed (`timing_names` gives it a name of its own, in UNTIMED).
 
 One kernel is slower than its bytes say: bitsandbytes' 8-bit optimizer step. It gets a fifth rate, device
 time a trainable parameter, fitted to the measured cells with that optimizer once the four are fitted to
@@ -33,9 +39,12 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..stacks import Stack
 
 
 @dataclass(frozen=True)
@@ -151,30 +160,34 @@ RATES: dict[str, StepRates] = {
     "h100": StepRates(797.5, 5896.2, 0.311, 5.468,
                       "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
                       "llama3b-predicted-h100-torch211-20261129c)",
-                      "median 2.9% off, -11.3% to +10.1%", cells=52,
+                      "median 2.8% off, -11.3% to +10.1%", cells=52,
                       host_factors=(("gc", 1.2), ("lora", 0.8)),
                       optimizer_8bit_ps=29.03, optimizer_8bit_cells=4,
                       optimizer_8bit_left_out="median 2.9% off, -4.3% to +3.3%"),
-    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far), none host-bound at the H100's host rate
-    # (kept: fitting it here would rest on one cell); its bandwidth over the H100's, 1.55 (the two cards' HBM: 4.8 /
-    # 3.35 TB/s, 1.43); the H100's rates predict these 16 cells median 4.8% off, -8.0% to +19.6% (eager attention's the
-    # most). The 8-bit optimizer's rate a parameter is the H100's within 3.1%, though the H200 moves bytes 1.43 times as
-    # fast: that step is not bandwidth-bound.
-    "h200": StepRates(751.4, 9155.7, 1.840, 5.468,
-                      "16 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
-                      "llama3b-predicted-h200-torch211-20261129d, playbook-predicted-h200-torch211-20261129d), seq "
-                      "2048, batch 2 and 4; host time an op and its factors are the H100's, kept",
-                      "median 3.5% off, -12.0% to +7.4%", cells=12,
-                      host_factors=(("gc", 1.2), ("lora", 0.8)), host_fitted=False,
-                      optimizer_8bit_ps=28.13, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 4.8% off, -10.4% to +9.1%"),
+    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far). Its own host side since 2026-11-29's
+    # window: 5 of its cells are host-bound (DoRA, gc + DoRA, gc + LoRA, grad_accum, LoRA with bf16 adapters); its
+    # host is another machine than the H100's (6.7 µs an op vs 5.5). Its bandwidth over the H100's, 1.43 (the two
+    # cards' HBM: 4.8 / 3.35 TB/s, 1.43). The H100's rates predict these 29 cells median 5.6% off, -28.3% to +19.6%
+    # (gc + DoRA the most, eager attention next). The 8-bit optimizer's rate a parameter is the H100's within 2.2%,
+    # though the H200 moves bytes 1.43 times as fast: that step is not bandwidth-bound.
+    "h200": StepRates(707.5, 8457.4, 0.846, 6.701,
+                      "29 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
+                      "llama3b-predicted-h100-torch211-20261129d, llama3b-predicted-h200-torch211-20261129d, "
+                      "playbook-predicted-h200-torch211-20261129d), seq 2048, batch 2 and 4; its own host side, "
+                      "fitted once gc + DoRA and gc + LoRA set the pace",
+                      "median 2.5% off, -14.5% to +5.1%", cells=25,
+                      host_factors=(("dora", 1.1), ("gc", 1.3), ("lora", 0.85)),
+                      optimizer_8bit_ps=29.66, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 4.7% off, -9.8% to +9.1%"),
 }
 
 
 # Stack techniques whose time the model does not see: host-device copies (offload), kernels dispatched
 # outside torch whose work is not counted (bitsandbytes' 4/8-bit matmuls, cut cross-entropy's), a ZeRO engine's
-# own work, compiled kernels the fake run runs unfused.
-UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3", "compile"})
+# own work, compiled kernels the fake run runs unfused, and ops paying a Python dispatch mode's time (POLICY_GC).
+POLICY_GC = "selective_gc(ops=matmuls)"
+UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3", "compile",
+                     POLICY_GC})
 
 # Kernels whose work is counted but whose time is not their bytes': bitsandbytes' 8-bit optimizer step is one op per
 # parameter reading and writing 6-8 bytes of it, yet on the H100 it took 95-112 ms a step for Llama-3.2-3B's 3.2B
@@ -184,8 +197,15 @@ UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce
 SLOWER_THAN_COUNTED = frozenset({"adamw8bit", "paged_adamw8bit"})
 
 # Techniques whose ops cost the host other than a plain op (the module's docstring), and the factors a fit tries.
-HOST_FACTOR_TECHNIQUES = frozenset({"gc", "lora"})
+HOST_FACTOR_TECHNIQUES = frozenset({"gc", "lora", "dora"})
 FACTOR_GRID = tuple(round(0.6 + 0.05 * i, 2) for i in range(19))  # 0.60 to 1.50
+
+
+def timing_names(stack: Stack) -> tuple[str, ...]:
+    """The stack's technique names as the model times them: its names, but selective_gc under its op policy
+    is POLICY_GC (its ops cost the host a dispatch mode's time; with every=n it is plain checkpointing)."""
+    return tuple(POLICY_GC if u.name == "selective_gc" and u.opts.get("ops") == "matmuls" else u.name
+                 for u in stack.uses)
 
 
 def untimed_reason(stack_names: Sequence[str], gpus: int) -> str | None:
@@ -226,8 +246,10 @@ def fit(works: Sequence[StepWork], measured_ms: Sequence[float], fitted_on: str,
     if start is not None and not start.host_fitted:  # the host's side is the start's: the device's alone is fitted
         rates = replace(_fit_four(plain_works, plain_ms, fitted_on, start, start.host_factors, fit_host=False),
                         host_fitted=False)
-    else:
-        rates = _fit_host_factors(plain_works, plain_ms, fitted_on, start)
+    else:  # the factors' search finds a local optimum: from START and from the start given, the better
+        starts = [None, start] if start is not None else [None]
+        tried = [_fit_host_factors(plain_works, plain_ms, fitted_on, s) for s in starts]
+        rates = min(tried, key=lambda r: _loss(plain_works, plain_ms, r))
     return replace(rates, optimizer_8bit_ps=_fit_8bit([works[i] for i in eight_bit],
                                                       [measured_ms[i] for i in eight_bit], rates),
                    optimizer_8bit_cells=len(eight_bit))
@@ -335,8 +357,9 @@ def _rates(inverse: np.ndarray, fitted_on: str, cells: int, host_factors: tuple[
 
 def left_out_errors(works: Sequence[StepWork], measured_ms: Sequence[float],
                     start: StepRates | None = None) -> list[float]:
-    """Each cell's error (predicted - measured over measured) by rates fitted to the others (from `start`):
-    how the model fares on a cell it has not seen, which in-sample errors overstate."""
+    """Each cell's error (predicted - measured over measured) by rates fitted to the others (from `start`: the
+    rates fitted to all, so each left-out fit searches near their optimum): how the model fares on a cell it has
+    not seen, which in-sample errors overstate."""
     errors = []
     for i, (work, measured) in enumerate(zip(works, measured_ms, strict=True)):
         rates = fit([*works[:i], *works[i + 1:]], [*measured_ms[:i], *measured_ms[i + 1:]], "", start)

@@ -28,7 +28,7 @@ def timed(both: pd.DataFrame, gpu_key: str, rates: steptime.StepRates | None = N
 
 
 def _work(r: pd.Series, rates: steptime.StepRates | None) -> steptime.StepWork | None:
-    names, gpus = parse_stack(r["stack"]).names, int(r["gpus"])
+    names, gpus = steptime.timing_names(parse_stack(r["stack"])), int(r["gpus"])
     if steptime.untimed_reason(names, gpus) or (rates is not None and steptime.unsupported_reason(names, gpus, rates)):
         return None
     # the predicted row's parameters: a prediction's work is its own
@@ -55,8 +55,8 @@ def section(both: pd.DataFrame) -> list[str]:
             continue
         works, measured = list(rows["work"]), list(rows["step_ms_p50"])
         predicted = [steptime.step_ms(w, rates) for w in works]
-        # from where tools/fit_step_time.py fitted them: START, or, for a kind that keeps another's host side, these
-        left_out = steptime.left_out_errors(works, measured, start=None if rates.host_fitted else rates)
+        # each refit from these rates (as tools/fit_step_time.py does; a kind that keeps another's host side keeps it)
+        left_out = steptime.left_out_errors(works, measured, start=rates)
         errors = pd.Series([p / m - 1 for p, m in zip(predicted, measured, strict=True)])
         lines += _head(key, rates, errors, pd.Series(left_out))
         for (_, r), p, lo in zip(rows.iterrows(), predicted, left_out, strict=True):
@@ -68,12 +68,13 @@ def section(both: pd.DataFrame) -> list[str]:
         lines = ["## Step time (predicted)", "",
                  "How long a step takes, predicted from the work the fake run dispatched (bench/predict/steptime.py): "
                  "the larger of the device's time (compute-bound FLOPs at a matmul rate, memory-bound bytes at a "
-                 "bandwidth, a gap per kernel) and the host's (a time per op dispatched, times a factor under gc "
-                 "and under LoRA), four rates and the factors a GPU kind "
+                 "bandwidth, a gap per kernel) and the host's (a time per op dispatched, times a factor under gc, "
+                 "LoRA and DoRA), four rates and the factors a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
                  "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
-                 "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA and "
-                 "several-rank cells are not timed. bitsandbytes' 8-bit optimizer step, slower than its bytes "
+                 "the prediction kept when it was made (fake-run/14 on), at the rates of its day. Offload, ZeRO, QLoRA, "
+                 "selective checkpointing's op policy (a Python dispatch mode on every op) and several-rank cells "
+                 "are not timed. bitsandbytes' 8-bit optimizer step, slower than its bytes "
                  "say, adds a fifth rate: device time a trainable parameter, fitted to its cells alone.", "", *lines]
     return lines
 
