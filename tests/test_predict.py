@@ -2004,3 +2004,45 @@ def test_the_hybrids_trace_keeps_an_in_place_sums_block_as_the_fake_runs_does() 
         Record(size, 1, "step/backward", "add", freed=2, takes_over=0)
     assert allocator.record_events([weight, sum_], lambda r: r.role != "gradient") == \
         [((1, 1), ("malloc", 1, size, 0)), ((2, 0), ("free", 1, size, 0))]
+
+
+def _torchao_step_bytes(numel: int, block: int, state: str) -> int:
+    """What torchao's compiled step holds at once for a parameter (bench/predict/torchao_optim.py), 512 B a tensor."""
+    def rounded(nbytes: int) -> int:
+        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+    scales = 2 * rounded(numel // block * 4)
+    if state == "int8":
+        return scales + 2 * rounded(4 * numel)
+    if state == "fp8":
+        return scales + 2 * rounded(numel)
+    return 2 * rounded(numel) + scales + 2 * rounded(4 * numel) + 2 * rounded(8 * numel)  # int4
+
+
+@pytest.mark.parametrize("state", ["int8", "int4", "fp8"])
+def test_torchaos_states_are_torchaos_own_and_its_step_holds_its_compiled_buffers(state: str) -> None:
+    """The fake run makes torchao's moments with torchao's own code (codes, a scale a block, lookup tables), and
+    its compiled step, which fake tensors cannot run, holds the buffers inductor's code allocates for the
+    largest parameter: the optimizer step peaks that far above where backward left it."""
+    import torchao.optim
+
+    from bench.techniques.torchao_adamw import OPTIMIZERS
+
+    cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(f"torchao_adamw(state={state})"))
+    counter, _, state_gib = fake.counted_run(cell, Workspaces())
+    real = trainer.build_model(cell, device="cpu").model
+    optimizer = getattr(torchao.optim, OPTIMIZERS[state])(list(real.parameters()), lr=1e-4)
+    expected = 0
+    for p in real.parameters():
+        for signed in (True, False):
+            buffer = optimizer._new_buffer(p, signed)
+            inner = [getattr(buffer, name) for name in getattr(buffer, "tensor_attrs", [])] or [buffer]
+            expected += sum(t.numel() * t.element_size() for t in inner)
+        expected += 4  # its step count, a 0-d fp32 tensor
+    assert state_gib * 2**30 == pytest.approx(expected, rel=1e-6)
+    quantized = [p.numel() for p in real.parameters() if p.numel() >= 4096 and p.numel() % optimizer.block_size == 0]
+    assert quantized
+    phases = list(counter.phase_ends)
+    before = counter.phase_ends[phases[phases.index("measure/optimizer") - 1]]
+    step_bytes = max(_torchao_step_bytes(n, optimizer.block_size, state) for n in quantized)
+    assert counter.phase_peaks["measure/optimizer"] - before == step_bytes

@@ -64,6 +64,7 @@ from . import (
     reduction,
     save,
     steptime,
+    torchao_optim,
     zero_states,
 )
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
@@ -343,7 +344,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
-            adafactor.predicting(cell.stack.names), FakeTensorMode() as mode, counter:
+            adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
+            FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)

@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/14"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/15"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -55,7 +55,10 @@ METHOD = "fake-run/14"  # bump when what a prediction counts changes (2: reserve
 # dispatches, as it saves the GPU's (it recomputed it), which moves only that stack's predictions; 13: Liger's
 # fused loss counts its matmuls (step_tflop, empty before: a stack with liger counts what it counts without),
 # which moves no memory figure; 14: the step's ops, kernels and their bytes (step_ops, ...: what its time is
-# predicted from, bench/predict/steptime.py), Triton launches counted as kernels, which moves no memory figure)
+# predicted from, bench/predict/steptime.py), Triton launches counted as kernels, which moves no memory figure;
+# 15: torchao's low-bit AdamW predicted (bench/predict/torchao_optim.py: its states made by torchao's code, its
+# compiled step's buffers as inductor's code allocates them), which moves only torchao_adamw cells, unsupported
+# before)
 
 
 @dataclass(frozen=True)

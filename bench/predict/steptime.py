@@ -184,10 +184,11 @@ RATES: dict[str, StepRates] = {
 
 # Stack techniques whose time the model does not see: host-device copies (offload), kernels dispatched
 # outside torch whose work is not counted (bitsandbytes' 4/8-bit matmuls, cut cross-entropy's), a ZeRO engine's
-# own work, compiled kernels the fake run runs unfused, and ops paying a Python dispatch mode's time (POLICY_GC).
+# own work, compiled kernels the fake run runs unfused (torchao's step: not at all), and ops paying a Python
+# dispatch mode's time (POLICY_GC).
 POLICY_GC = "selective_gc(ops=matmuls)"
 UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3", "compile",
-                     POLICY_GC})
+                     "torchao_adamw", POLICY_GC})
 
 # Kernels whose work is counted but whose time is not their bytes': bitsandbytes' 8-bit optimizer step is one op per
 # parameter reading and writing 6-8 bytes of it, yet on the H100 it took 95-112 ms a step for Llama-3.2-3B's 3.2B
