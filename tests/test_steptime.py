@@ -237,9 +237,12 @@ def test_prediction_md_sets_each_timed_cell_beside_its_measured_step(monkeypatch
              "step_tflop": w.flops / 1e12, "step_ops": w.ops, "step_kernels": w.kernels,
              "step_compute_tflop": w.compute_flops / 1e12, "step_memory_gb": w.memory_bytes / 1e9}
             for i, w in enumerate(works)]
-    rows[1]["step_ms"] = rows[1]["step_ms_p50"] * 1.25  # kept when predicted, at the rates of that day
+    # the step time kept by a prediction made before the GPU ran c1, at the rates of that day; c0's newest
+    # prediction kept one too, made after (in sample): not shown
+    before = pd.DataFrame([{"cell_id": "c1", "gpu_name": "NVIDIA H100 80GB HBM3", "step_ms": rows[1]["step_ms_p50"] * 1.25}])
+    rows[0]["step_ms"] = rows[0]["step_ms_p50"]
     monkeypatch.setattr(steptime, "RATES", {"h100": RATES})
-    lines = steptime_report.section(pd.DataFrame(rows))
+    lines = steptime_report.section(pd.DataFrame(rows), before)
     assert lines[0] == "## Step time (predicted)"
     table = [line for line in lines if line.startswith("| `c")]
     assert len(table) == len(works)
@@ -247,4 +250,4 @@ def test_prediction_md_sets_each_timed_cell_beside_its_measured_step(monkeypatch
     assert table[1].split(" | ")[8] == "+25.0%" and table[0].split(" | ")[8] == ""
     assert "9 cells: abs error median 0.0%, max 9.1%" in "\n".join(lines)
     monkeypatch.setattr(steptime, "RATES", {"h200": RATES})
-    assert steptime_report.section(pd.DataFrame(rows)) == []  # no H200 cell measured
+    assert steptime_report.section(pd.DataFrame(rows), before) == []  # no H200 cell measured

@@ -196,7 +196,8 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFram
                          f"{_signed(r['reserved_error_frac'])} | "
                          f"{r['peak_phase']} / {r['peak_phase_predicted']} ({r['peak_op']}) |")
         lines.append("")
-    lines += steptime_report.section(both)
+    before = pairs(measured, every, made_before_run=True) if every is not None else both.iloc[0:0]
+    lines += steptime_report.section(both, before)
     if len(unsupported):
         lines += ["## Measured cells the fake run does not cover yet", "", "| cell | why |", "|---|---|"]
         for _, r in unsupported.iterrows():

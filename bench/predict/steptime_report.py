@@ -45,9 +45,13 @@ def fitted(both: pd.DataFrame, gpu_key: str, fitted_on: str,
     return steptime.fit(list(rows["work"]), list(rows["step_ms_p50"]), fitted_on, start)
 
 
-def section(both: pd.DataFrame) -> list[str]:
+def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
     """## Step time: per GPU kind with rates, each timed cell's measured and predicted step time, in-sample
-    and with the cell left out of the fit."""
+    and with the cell left out of the fit; and as predicted before the GPU ran it (`before`: report.pairs'
+    made_before_run pairs, whose `step_ms` a prediction kept at the rates of its day)."""
+    kept = {} if before.empty or "step_ms" not in before else \
+        {(c, g): ms for c, g, ms in zip(before["cell_id"], before["gpu_name"],
+                                       pd.to_numeric(before["step_ms"], errors="coerce"), strict=True) if pd.notna(ms)}
     lines: list[str] = []
     for key, rates in steptime.RATES.items():
         rows = timed(both, key, rates)
@@ -62,7 +66,8 @@ def section(both: pd.DataFrame) -> list[str]:
         for (_, r), p, lo in zip(rows.iterrows(), predicted, left_out, strict=True):
             lines.append(f"| `{r['cell_id']}` | {code_cell(r['stack'])} | {r['seq_len']} | {r['batch_size']} | "
                          f"{r['step_ms_p50']:.1f} | {p:.1f} | {p / r['step_ms_p50'] - 1:+.1%} | {lo:+.1%} | "
-                         f"{_as_predicted_then(r)} | {steptime.bound(r['work'], rates)} |")
+                         f"{_as_predicted_then(r, kept.get((r['cell_id'], r['gpu_name'])))} | "
+                         f"{steptime.bound(r['work'], rates)} |")
         lines.append("")
     if lines:
         lines = ["## Step time (predicted)", "",
@@ -79,11 +84,10 @@ def section(both: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _as_predicted_then(r: pd.Series) -> str:
-    """The error of the step time the prediction kept when it was made (`step_ms`, at the rates of its day):
-    where it was made before the GPU ran the cell, no fit had seen the measurement. Empty where none was kept."""
-    then = pd.to_numeric(pd.Series([r.get("step_ms")]), errors="coerce").iloc[0]
-    return "" if pd.isna(then) else f"{then / r['step_ms_p50'] - 1:+.1%}"
+def _as_predicted_then(r: pd.Series, then_ms: float | None) -> str:
+    """The error of the step time kept by the newest prediction made before the GPU ran the cell (at the rates of
+    its day: no fit had seen the measurement). Empty where no such prediction kept one."""
+    return "" if then_ms is None else f"{then_ms / r['step_ms_p50'] - 1:+.1%}"
 
 
 def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.Series) -> list[str]:
