@@ -245,7 +245,8 @@ def test_predicted_cells_that_fit_are_marked_with_the_predictors_error(loaded) -
 @pytest.mark.browser
 def test_predicted_points_are_hollow_and_say_how_their_tokens_per_s_was_predicted(loaded) -> None:
     tab, _ = loaded
-    tab.select_option("#filter-model", "gemma-3-1b")  # predicted on the H200, not yet measured
+    tab.select_option("#filter-model", "gemma-3-1b")  # predicted (H100 and H200), not yet measured
+    tab.select_option("#filter-gpu", "NVIDIA H200")
     points = tab.locator(".chart svg .point")
     assert points.count() > 0 and points.count() == tab.locator(".chart svg .point.predicted").count()
     assert tab.eval_on_selector_all(".chart svg .point", "ps => ps.every(p => p.getAttribute('fill') === '#ffffff')")
