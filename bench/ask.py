@@ -280,7 +280,7 @@ def predicted_step_ms(a: Answer) -> float | None:
     """The step time predicted at the card's fitted rates (bench/predict/steptime.py), ms; None where not."""
     if a.predicted.get("status") != "ok":
         return None
-    return steptime.predicted_ms(a.predicted, a.card.key, steptime.timing_names(a.cell.stack), a.cell.gpus)
+    return steptime.predicted_ms(a.predicted, a.card.key, a.cell.stack, a.cell.gpus)
 
 
 def tokens_per_s(a: Answer, step_ms: float) -> float:
@@ -292,12 +292,11 @@ def _step_time_line(a: Answer) -> str:
     """The predicted step time and tokens/s, or why there is none."""
     ms = predicted_step_ms(a)
     rates = steptime.RATES.get(a.card.key)
-    names = steptime.timing_names(a.cell.stack)
     if ms is None:
         why = (f"no {a.card.name} has measured steps to fit its rates on" if rates is None else
-               steptime.unsupported_reason(names, a.cell.gpus, rates) or "the step's work was not counted")
+               steptime.unsupported_reason(a.cell.stack, a.cell.gpus, rates) or "the step's work was not counted")
         return f"  step time       not predicted: {why}"
-    work = steptime.cell_work(a.predicted, names)
+    work = steptime.cell_work(a.predicted, a.cell.stack)
     assert rates is not None and work is not None  # else predicted_ms is None
     eight_bit = (f"; bitsandbytes' 8-bit optimizer step at its own rate a parameter, fitted on "
                  f"{rates.optimizer_8bit_cells} cells, each left out predicted {rates.optimizer_8bit_left_out}"

@@ -181,8 +181,8 @@ def step_ms_now(predictions: pd.DataFrame) -> dict[tuple[str, str, int, int], fl
     at the rates of its day: a board shows the same figure as `bench ask` and the results page."""
     out = {}
     for row in predictions.to_dict("records"):
-        names = steptime.timing_names(parse_stack(str(row["stack"])))
-        ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), names, int(row.get("gpus") or 1))
+        ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), parse_stack(str(row["stack"])),
+                                   int(row.get("gpus") or 1))
         if ms is not None and row.get("status") == "ok":
             out[(str(row["model"]), str(row["stack"]), int(row["seq_len"]), int(row["batch_size"]))] = ms
     return out

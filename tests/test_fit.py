@@ -451,6 +451,7 @@ def test_the_smallest_card_is_never_above_a_budget_the_step_runs_within() -> Non
 def test_a_boards_tokens_per_s_is_at_todays_rates_and_names_the_8bit_rate_where_it_times_one() -> None:
     from bench import fitreport
     from bench.predict import steptime
+    from bench.stacks import parse_stack
 
     h100 = steptime.RATES["h100"]
     work = {"gpu_kind": "h100", "gpus": 1, "status": "ok", "model": "m", "seq_len": 64, "batch_size": 2,
@@ -467,4 +468,4 @@ def test_a_boards_tokens_per_s_is_at_todays_rates_and_names_the_8bit_rate_where_
     assert bullet(plain.assign(step_ops=None)) == ""  # nothing timed: no bullet
     # the step time at the rates fitted now, not the one a prediction kept when made
     kept_then = plain.assign(step_ms=1.0)
-    assert fitreport.step_ms_now(kept_then) == {("m", "gc", 64, 2): steptime.predicted_ms(work, "h100", ["gc"], 1)}
+    assert fitreport.step_ms_now(kept_then) == {("m", "gc", 64, 2): steptime.predicted_ms(work, "h100", parse_stack("gc"), 1)}

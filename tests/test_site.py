@@ -373,8 +373,7 @@ def test_a_predictions_tokens_per_s_is_its_step_time_at_todays_rates_and_none_wh
     timed = untimed = 0
     for cell in (c for c in site_data_.cells if c["source"] == "predicted"):
         row = cell["row"]
-        names = steptime.timing_names(parse_stack(row["stack"]))
-        step_ms = steptime.predicted_ms(row, row["gpu_kind"], names, cell["gpus"])
+        step_ms = steptime.predicted_ms(row, row["gpu_kind"], parse_stack(row["stack"]), cell["gpus"])
         if step_ms is None:
             untimed += 1
             assert cell["tokens_per_s"] is None
@@ -387,7 +386,7 @@ def test_a_predictions_tokens_per_s_is_its_step_time_at_todays_rates_and_none_wh
             "gpu_kind": "h100", "step_tflop": 100.0, "step_ops": 20000, "step_kernels": 15000,
             "step_compute_tflop": 99.0, "step_memory_gb": 700.0}
     plain = site_data._record({**base, "stack": "gc", "stack_json": '[["gc", {}]]'}, "predicted")
-    assert plain["tokens_per_s"] == pytest.approx(4096 * 1000 / steptime.predicted_ms(base, "h100", ["gc"], 1))
+    assert plain["tokens_per_s"] == pytest.approx(4096 * 1000 / steptime.predicted_ms(base, "h100", parse_stack("gc"), 1))
     offload = site_data._record({**base, "stack": "zero3 + offload",
                                  "stack_json": '[["zero3", {}], ["offload", {}]]'}, "predicted")
     assert offload["tokens_per_s"] is None

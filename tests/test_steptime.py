@@ -112,11 +112,12 @@ def test_a_stack_the_model_does_not_time_has_no_step_time():
     saved = dict(steptime.RATES)
     steptime.RATES["h100"] = RATES
     try:
-        assert steptime.predicted_ms(row, "h100", ("gc",), 1) == pytest.approx(200.0 + 250.0 + 60.0)
-        assert steptime.predicted_ms(row, "h100", ("zero3",), 1) is None
-        assert steptime.predicted_ms(row, "h100", ("fsdp",), 2) is None
-        assert steptime.predicted_ms(row, "a100", ("gc",), 1) is None  # no rates for the kind
-        assert steptime.predicted_ms({**row, "step_ops": pd.NA}, "h100", ("gc",), 1) is None
+        gc = parse_stack("gc")
+        assert steptime.predicted_ms(row, "h100", gc, 1) == pytest.approx(200.0 + 250.0 + 60.0)
+        assert steptime.predicted_ms(row, "h100", parse_stack("zero3"), 1) is None
+        assert steptime.predicted_ms(row, "h100", parse_stack("fsdp"), 2) is None
+        assert steptime.predicted_ms(row, "a100", gc, 1) is None  # no rates for the kind
+        assert steptime.predicted_ms({**row, "step_ops": pd.NA}, "h100", gc, 1) is None
     finally:
         steptime.RATES.clear()
         steptime.RATES.update(saved)
@@ -140,10 +141,9 @@ def test_selective_gc_under_its_op_policy_is_not_timed_and_by_layer_it_is():
     H200: 380 ms measured, 237 predicted): its cells are left out of the fit and unpredicted; checkpointing every
     n-th layer is plain gc's work and is timed. DoRA's ops get a host factor of their own."""
     by_ops, by_layer = parse_stack("selective_gc(every=1, ops=matmuls)"), parse_stack("selective_gc(every=2)")
-    assert steptime.timing_names(by_ops) == (steptime.POLICY_GC,)
-    assert steptime.timing_names(by_layer) == ("selective_gc",)
-    assert steptime.untimed_reason(steptime.timing_names(by_layer), 1) is None
-    assert steptime.POLICY_GC in (steptime.untimed_reason(steptime.timing_names(by_ops), 1) or "")
+    assert steptime.untimed_reason(by_layer, 1) is None
+    assert steptime.POLICY_GC in (steptime.untimed_reason(by_ops, 1) or "")
+    assert steptime.POLICY_GC in (steptime.untimed_reason(parse_stack("selective_gc(ops=matmuls)"), 1) or "")
     row = {"cell_id": "c", "gpu_name": "NVIDIA H100 80GB HBM3", "step_ms_p50": 250.0, "gpus": 1, "step_tflop": 1.0,
            "step_ops": 10, "step_kernels": 5, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
     both = pd.DataFrame([{**row, "stack": by_ops.label}, {**row, "stack": by_layer.label},
@@ -195,8 +195,8 @@ def test_the_8bit_optimizers_rate_is_fitted_to_its_cells_alone():
     left_out = steptime.left_out_errors([*works, *eight_bit], [*measured, *eight_ms])
     assert left_out[len(works)] < 0  # the noisy cell, predicted by the three exact ones: short
     assert max(abs(e) for e in left_out[len(works) + 1:]) > 0  # the others, with it in their fit
-    assert steptime.unsupported_reason(("adamw8bit",), 1, RATES) and not steptime.unsupported_reason(
-        ("adamw8bit",), 1, with_8bit)
+    assert steptime.unsupported_reason(parse_stack("adamw8bit"), 1, RATES) and not steptime.unsupported_reason(
+        parse_stack("adamw8bit"), 1, with_8bit)
 
 
 def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
@@ -211,14 +211,14 @@ def test_a_prediction_keeps_its_step_time_at_the_rates_of_the_day():
     matrix = spec.from_mapping("t", {"models": ["tiny-llama"], "seq_lens": [64], "batch_sizes": [2],
                                      "stacks": ["gc"], "device": "cuda"})
     gc = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("gc")), gpus.get("h100"))
-    work = steptime.cell_work(gc, ("gc",))
+    work = steptime.cell_work(gc, parse_stack("gc"))
     assert work is not None and work.kernels < work.ops and work.memory_bytes > 0
     assert work.host_techniques == {"gc"}  # a recomputed step's ops cost the host more (its factor)
     assert gc["step_ms"] == pytest.approx(steptime.step_ms(work, steptime.RATES["h100"]))
     eight_bit = fake.predict_cell(make_cell(matrix, "cuda", "tiny-llama", 64, 2, parse_stack("adamw8bit")),
                                   gpus.get("h100"))
     # bitsandbytes' 8-bit step: its counted work, and its own rate for each trainable parameter
-    work = steptime.cell_work(eight_bit, ("adamw8bit",))
+    work = steptime.cell_work(eight_bit, parse_stack("adamw8bit"))
     assert work is not None and work.optimizer_8bit_params == eight_bit["trainable_params"] > 0
     h100 = steptime.RATES["h100"]
     assert eight_bit["step_ms"] == pytest.approx(steptime.step_ms(work, h100))

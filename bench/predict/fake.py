@@ -180,8 +180,7 @@ def _work(cell: Cell, work: StepWork | None, gpu: GpuKind, trainable_params: int
         return {}
     columns = {"step_tflop": work.flops / 1e12, "step_ops": work.ops, "step_kernels": work.kernels,
                "step_compute_tflop": work.compute_flops / 1e12, "step_memory_gb": work.memory_bytes / 1e9}
-    step_ms = steptime.predicted_ms({**columns, "trainable_params": trainable_params}, gpu.key,
-                                    steptime.timing_names(cell.stack), cell.gpus)
+    step_ms = steptime.predicted_ms({**columns, "trainable_params": trainable_params}, gpu.key, cell.stack, cell.gpus)
     return {**columns, "step_ms": step_ms}
 
 

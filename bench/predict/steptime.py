@@ -26,7 +26,7 @@ step the host set by far (743 ms measured, 9.6 µs an op), 28% long at the H100'
 Selective checkpointing's op policy (`selective_gc(ops=matmuls)`) runs every op of forward and of the
 recompute through a Python dispatch mode that asks the policy whether to save it: on the H200 its step took
 380 ms where its counted work says 237 (13.8 µs an op). One cell cannot fit a factor of its own, so it is
-not timed (`timing_names` gives it a name of its own, in UNTIMED).
+not timed (`_timing_names` gives it a name of its own, in UNTIMED).
 
 One kernel is slower than its bytes say: bitsandbytes' 8-bit optimizer step. It gets a fifth rate, device
 time a trainable parameter, fitted to the measured cells with that optimizer once the four are fitted to
@@ -120,14 +120,15 @@ def work_of(row: Mapping[str, Any]) -> StepWork | None:
     return StepWork(round(tflop * 1e12), round(ops), round(kernels), round(compute_tflop * 1e12), round(memory_gb * 1e9))
 
 
-def cell_work(row: Mapping[str, Any], stack_names: Sequence[str]) -> StepWork | None:
+def cell_work(row: Mapping[str, Any], stack: Stack) -> StepWork | None:
     """A prediction row's work with what its stack adds beyond the counted kernels: its techniques with a host
     factor, and the trainable parameters (the row's `trainable_params`) a bitsandbytes 8-bit optimizer steps."""
     work = work_of(row)
     if work is None:
         return None
-    work = replace(work, host_techniques=frozenset(stack_names) & HOST_FACTOR_TECHNIQUES)
-    if not set(stack_names) & SLOWER_THAN_COUNTED:
+    names = set(_timing_names(stack))
+    work = replace(work, host_techniques=frozenset(names & HOST_FACTOR_TECHNIQUES))
+    if not names & SLOWER_THAN_COUNTED:
         return work
     params: Any = row.get("trainable_params")
     return None if _missing(params) else replace(work, optimizer_8bit_params=int(params))
@@ -141,12 +142,12 @@ def _missing(value: Any) -> bool:
         return True
 
 
-def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack_names: Sequence[str], gpus: int) -> float | None:
+def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) -> float | None:
     """A prediction row's step time on its GPU kind, ms; None where not predicted (no rates for the kind,
     no work counted, a stack or rank count the model does not time)."""
     rates = RATES.get(gpu_key)
-    work = cell_work(row, stack_names)
-    if rates is None or work is None or unsupported_reason(stack_names, gpus, rates):
+    work = cell_work(row, stack)
+    if rates is None or work is None or unsupported_reason(stack, gpus, rates):
         return None
     return step_ms(work, rates)
 
@@ -202,29 +203,29 @@ HOST_FACTOR_TECHNIQUES = frozenset({"gc", "lora", "dora"})
 FACTOR_GRID = tuple(round(0.6 + 0.05 * i, 2) for i in range(19))  # 0.60 to 1.50
 
 
-def timing_names(stack: Stack) -> tuple[str, ...]:
+def _timing_names(stack: Stack) -> tuple[str, ...]:
     """The stack's technique names as the model times them: its names, but selective_gc under its op policy
     is POLICY_GC (its ops cost the host a dispatch mode's time; with every=n it is plain checkpointing)."""
     return tuple(POLICY_GC if u.name == "selective_gc" and u.opts.get("ops") == "matmuls" else u.name
                  for u in stack.uses)
 
 
-def untimed_reason(stack_names: Sequence[str], gpus: int) -> str | None:
+def untimed_reason(stack: Stack, gpus: int) -> str | None:
     """Why the model cannot time a cell on any GPU kind (several ranks, a technique in UNTIMED), or None."""
     if gpus > 1:
         return "communication between ranks is not modelled"
-    untimed = sorted(set(stack_names) & UNTIMED)
+    untimed = sorted(set(_timing_names(stack)) & UNTIMED)
     if untimed:
         return f"{', '.join(untimed)}: work the fake run does not see or the model does not time"
     return None
 
 
-def unsupported_reason(stack_names: Sequence[str], gpus: int, rates: StepRates | None = None) -> str | None:
+def unsupported_reason(stack: Stack, gpus: int, rates: StepRates | None = None) -> str | None:
     """Why a cell's step time is not predicted on a GPU kind with these rates, or None."""
-    untimed = untimed_reason(stack_names, gpus)
+    untimed = untimed_reason(stack, gpus)
     if untimed:
         return untimed
-    slower = sorted(set(stack_names) & SLOWER_THAN_COUNTED)
+    slower = sorted(set(stack.names) & SLOWER_THAN_COUNTED)
     if slower and (rates is None or rates.optimizer_8bit_ps is None):
         return (f"{', '.join(slower)}: bitsandbytes' 8-bit optimizer step runs slower than its bytes say, and no "
                 "measured cell of it on this GPU kind fits its rate")

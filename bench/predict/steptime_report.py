@@ -28,11 +28,11 @@ def timed(both: pd.DataFrame, gpu_key: str, rates: steptime.StepRates | None = N
 
 
 def _work(r: pd.Series, rates: steptime.StepRates | None) -> steptime.StepWork | None:
-    names, gpus = steptime.timing_names(parse_stack(r["stack"])), int(r["gpus"])
-    if steptime.untimed_reason(names, gpus) or (rates is not None and steptime.unsupported_reason(names, gpus, rates)):
+    stack, gpus = parse_stack(r["stack"]), int(r["gpus"])
+    if steptime.untimed_reason(stack, gpus) or (rates is not None and steptime.unsupported_reason(stack, gpus, rates)):
         return None
     # the predicted row's parameters: a prediction's work is its own
-    return steptime.cell_work({**r, "trainable_params": r.get("trainable_params_predicted")}, names)
+    return steptime.cell_work({**r, "trainable_params": r.get("trainable_params_predicted")}, stack)
 
 
 def fitted(both: pd.DataFrame, gpu_key: str, fitted_on: str,

@@ -158,8 +158,7 @@ def _predicted_tokens_per_s(row: dict[str, Any]) -> float | None:
     """A prediction's tokens/s at its GPU kind's rates of today (not the `step_ms` it kept when made, so every
     prediction on the page is timed by the same fit), None where not predicted."""
     uses = tuple(Use(name, tuple(opts.items())) for name, opts in json.loads(row.get("stack_json") or "[]"))
-    step_ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), steptime.timing_names(Stack(uses)),
-                                    int(row.get("gpus", 1)))
+    step_ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), Stack(uses), int(row.get("gpus", 1)))
     return None if step_ms is None else steptime.tokens_per_s(int(row["batch_size"]), int(row["seq_len"]), step_ms)
 
 
