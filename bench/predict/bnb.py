@@ -19,8 +19,8 @@ the scratch of its CUDA matmul.
   the op. Up to 512 rows the choice depends on the layer's shape and the GPU; the custom kernel, with
   no scratch, is assumed there.
 - A paged optimizer's large state buffers are CUDA managed memory: counted apart (`paged_state_apart`).
-- LLM.int8 bases (int8_lora) are not predicted: which columns are decomposed as outliers depends on
-  the values.
+- LLM.int8 bases (int8_lora): bench/predict/int8.py (which columns are decomposed as outliers depends
+  on the values: counted beforehand on a CPU).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from . import (
     embedding,
     fsdp_offload,
     hybrid,
+    int8,
     liger,
     lowrank,
     reduction,
@@ -105,6 +106,8 @@ def unsupported_reason(cell: Cell) -> str | None:
     cut = _use(cell, "cce")
     if cut is not None and cce.unsupported_reason(cut.opts["impl"]):
         return f"cce: {cce.unsupported_reason(cut.opts['impl'])}"
+    if int8.unsupported_reason(cell):
+        return f"int8_lora: {int8.unsupported_reason(cell)}"
     if zero:
         return hybrid.unsupported_reason(cell)
     if fsdp_offload.applies(cell) and cell.checkpoint != "none":
@@ -313,8 +316,8 @@ def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built,
     """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
     kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, the attention's backward,
     cuSOLVER's SVD, column sums, the embedding's backward)."""
-    scratch = all_scratch(bnb.gemm_4bit_scratch, attention.backward_scratch(gpu), lowrank.svd_scratch,
-                          reduction.column_sum_scratch, embedding.backward_scratch)
+    scratch = all_scratch(bnb.gemm_4bit_scratch, int8.kernel_scratch, attention.backward_scratch(gpu),
+                          lowrank.svd_scratch, reduction.column_sum_scratch, embedding.backward_scratch)
     return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
 
 
@@ -344,7 +347,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
-            FakeTensorMode() as mode, counter:
+            int8.predicting(cell, built.model), FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
@@ -437,7 +440,7 @@ def _load_warmup_made_then_freed(model: Any) -> None:
     the cache holds unused, and stops 1.2 GiB short of the card (a model that large does not fit)."""
     import torch
 
-    nbytes = sum(p.numel() // 2 if bnb.is_4bit(p) else p.numel() * p.element_size()
+    nbytes = sum(p.numel() // 2 if bnb.is_4bit(p) else p.numel() if int8.is_int8(p) else p.numel() * p.element_size()
                  for p in model.parameters() if not p.requires_grad)
     if nbytes:
         made = torch.empty(nbytes // 2, dtype=torch.float16)
@@ -467,13 +470,17 @@ def _meta_like(param: Any) -> Any:
 
 def _fake_like(tensor: Any, module: Any, is_param: bool, counter: MemoryCounter) -> Any:
     """A fake CPU tensor like the meta one, counted as a weight. A 4-bit weight is quantized as a
-    load quantizes it, from the bf16 weight _quantized loads (bench/predict/bnb.py)."""
+    load quantizes it, from the bf16 weight _quantized loads (bench/predict/bnb.py); an 8-bit one too
+    (bench/predict/int8.py)."""
     import torch
 
     if bnb.is_4bit(tensor):
         fake = bnb.quantized_weight(tensor, module, torch.bfloat16)
         for state in bnb.quantized_state_tensors(fake):
             counter.track(state, "quant_state", role="weight")
+    elif int8.is_int8(tensor):
+        fake, scales = int8.int8_weight(tensor)
+        counter.track(scales, "quant_state", role="weight")
     else:
         fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
         if is_param:
