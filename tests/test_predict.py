@@ -2094,3 +2094,29 @@ def test_int8_lora_keeps_its_counted_outlier_columns_for_backward(tmp_path: Path
     loaded = sum(rounded(p.numel() if int8.is_int8(p) else p.numel() * p.element_size()) for p in meta.parameters())
     loaded += sum(rounded(b.numel() * b.element_size()) for b in meta.buffers())
     assert counter.breakdown(counter.peak)["weight"] == loaded + sum(rounded(p.shape[0] * 4) for p in quantized)
+
+
+def test_int8_layers_inputs_escape_non_reentrant_checkpointing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes' MatMul8bitLt keeps its input and outlier columns as attributes of its autograd context,
+    which non-reentrant checkpointing's saved-tensor hooks never see: under gc every quantized layer's input
+    stays alive to backward (q, k and v share one, gate and up another: three of the hidden size and the down
+    projection's of the MLP's) with its outlier columns, where reentrant checkpointing's forward builds no graph
+    to hold them. The indices stay on the layer's state either way. The difference of the two peaks, by hand."""
+    from bench.predict import int8
+
+    def rounded(nbytes: int) -> int:
+        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+    monkeypatch.setattr(int8, "COUNTS_DIR", tmp_path)
+    columns, layers = 100, 2
+    counts = {f"layers.{i}.mlp.down_proj": columns for i in range(layers)}
+    int8.counts_path("tiny-llama").write_text(json.dumps({"counts": {"s64_b2": counts}}))
+    peaks = {}
+    for stack in ("gc + int8_lora", "gc(use_reentrant=true) + int8_lora"):
+        counter, _, _ = fake.counted_run(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack)), Workspaces())
+        peaks[stack] = counter.peak.nbytes
+    config, tokens = models.hf_config(models.get("tiny-llama"), "sdpa"), 64 * 2
+    assert config.num_hidden_layers == layers
+    per_layer = (3 * rounded(tokens * config.hidden_size * 2) + rounded(tokens * config.intermediate_size * 2)
+                 + rounded(tokens * columns * 2))
+    assert peaks["gc + int8_lora"] - peaks["gc(use_reentrant=true) + int8_lora"] == layers * per_layer
