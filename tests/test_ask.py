@@ -76,8 +76,8 @@ def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01")
     assert code == 1 and "verdict: does not fit: the smallest card it runs on has" in out
     assert "measured: no published GPU run has this cell" in out
-    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "compile")
-    assert code == 3 and "not predicted (unsupported): compile:" in out
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "unsloth")
+    assert code == 3 and "not predicted (unsupported): unsloth:" in out
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01",
                      "--stack", "garbage_collection_threshold")  # its smallest card needs a memory fraction
     assert code == 1 and "and only under a memory fraction (torch.cuda.set_per_process_memory_fraction)" in out
@@ -290,8 +290,8 @@ def test_the_largest_batch_that_fits_is_the_last_whose_own_answer_fits(
 
 def test_the_longest_sequence_search_stops_on_a_stack_the_fake_run_cannot_see(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "seq", "--stack", "compile", "--gpu-memory-gib", "1")
-    assert code == 3 and "the search stopped at 65536: not predicted (unsupported): compile:" in out
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--largest", "seq", "--stack", "unsloth", "--gpu-memory-gib", "1")
+    assert code == 3 and "the search stopped at 65536: not predicted (unsupported): unsloth:" in out
 
 
 def test_the_largest_search_says_when_a_size_failed_below_one_that_fits() -> None:
@@ -363,12 +363,12 @@ def test_a_fake_run_command_quiets_the_import_warnings_of_kernels_it_never_calls
 def test_several_stacks_are_one_table_in_the_order_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--stack` again: one fake run per stack, one row each in the order asked (a stack the fake run does not
     cover says why), which of them fit, and an exit code that is 0 when any fits, 1 when none does."""
-    stacks = ["--stack", "gc + lora", "--stack", "compile", "--stack", "baseline"]
+    stacks = ["--stack", "gc + lora", "--stack", "unsloth", "--stack", "baseline"]
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks)
     assert code == 0, out
     rows = [line.split("  ")[0] for line in out.splitlines()[4:7]]
-    assert rows == ["gc + lora", "compile", "baseline"]
-    assert "compile: not predicted (unsupported): compile: inductor" in out
+    assert rows == ["gc + lora", "unsloth", "baseline"]
+    assert "unsloth: not predicted (unsupported): unsloth: Unsloth" in out
     assert "fits: gc + lora, baseline" in out
     single = json.loads(_ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--stack", "gc + lora", "--json")[1])
     table = out.splitlines()[4]

@@ -76,20 +76,19 @@ def test_a_zero_cell_compares_with_the_hybrids_trace_deepspeeds_blocks_named() -
 
 
 def test_compare_refuses_a_cell_the_predictor_does_not_cover(tmp_path: Path) -> None:
-    """A trace of a cell with no prediction (torch.compile's fused kernels): exit 2, the reason said, no
-    traceback."""
+    """A trace of a cell with no prediction (Unsloth's own kernels): exit 2, the reason said, no traceback."""
     import gzip
     import json
     import subprocess
 
-    trace = tmp_path / "compile.json.gz"
+    trace = tmp_path / "unsloth.json.gz"
     with gzip.open(trace, "wt") as handle:
-        json.dump({"cell_id": "llama-3.2-3b_s2048_b2_compile_d1323025", "entries": 0, "max_entries": 1,
+        json.dump({"cell_id": "llama-3.2-3b_s2048_b2_unsloth_3f6f0ec3", "entries": 0, "max_entries": 1,
                    "gpu": "NVIDIA H200", "torch": "2.11.0", "peak_reserved_gib": 1.0, "device_trace": []}, handle)
     done = subprocess.run([sys.executable, str(REPO / "tools" / "cell_trace.py"), "compare", "llama3b", str(trace)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "not predicted" in done.stderr and "compile" in done.stderr and "Traceback" not in done.stderr
+    assert "not predicted" in done.stderr and "unsloth" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_free_the_allocator_completed_late_is_found_with_the_requests_it_waited_for() -> None:

@@ -234,7 +234,7 @@ matrices:
     models: [tiny-llama]
     seq_lens: [64]
     batch_sizes: [1]
-    stacks: [baseline, compile]
+    stacks: [baseline, unsloth]
     steps: {warmup: 1, measure: 2}
 """
 
@@ -264,9 +264,9 @@ def test_predicted_fit_needs_no_gpu_and_agrees_with_its_predictions(workdir) -> 
 
     assert within(largest) and not within(largest + 1)
     assert (least <= predicted["device_peak_gib"]).all()
-    assert summary.loc[("compile", "batch"), "stopped"].startswith("unsupported at")
+    assert summary.loc[("unsloth", "batch"), "stopped"].startswith("unsupported at")
     board = (fit_dir / "FIT-predicted.md").read_text()
-    assert board.startswith("# PREDICTED: fits on my GPU") and "compile: inductor" in board
+    assert board.startswith("# PREDICTED: fits on my GPU") and "unsloth: Unsloth" in board
     # the answer's tokens/s, from its prediction's step time at the H100's rates (bench/predict/steptime.py)
     step_ms = predicted.loc[("baseline", 64, largest), "step_ms"]
     assert summary.loc[("baseline", "batch"), "step_ms"] == step_ms > 0
@@ -282,7 +282,7 @@ def test_a_predicted_fit_says_where_the_host_runs_out(workdir) -> None:
     host ran out. Without --predict the flag is refused."""
     from conftest import run_bench, write_matrix
 
-    write_matrix(workdir, PREDICTED_FIT.replace("[baseline, compile]", "[activation_offload]"))
+    write_matrix(workdir, PREDICTED_FIT.replace("[baseline, unsloth]", "[activation_offload]"))
     args = ("fit", "f", "--budgets", "80", "--max-batch", "4", "--seq-step", "64", "--max-seq", "128")
     refused = run_bench(workdir, *args, "--host-memory-gib", "1")
     assert refused.returncode == 2 and "--host-memory-gib" in refused.stderr

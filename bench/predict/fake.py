@@ -55,6 +55,7 @@ from . import (
     attention,
     bnb,
     cce,
+    compiled,
     ddp,
     embedding,
     fsdp_offload,
@@ -108,6 +109,8 @@ def unsupported_reason(cell: Cell) -> str | None:
         return f"cce: {cce.unsupported_reason(cut.opts['impl'])}"
     if int8.unsupported_reason(cell):
         return f"int8_lora: {int8.unsupported_reason(cell)}"
+    if compiled.unsupported_reason(cell.stack.names):
+        return f"compile: {compiled.unsupported_reason(cell.stack.names)}"
     if zero:
         return hybrid.unsupported_reason(cell)
     if fsdp_offload.applies(cell) and cell.checkpoint != "none":
@@ -332,7 +335,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
         with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), \
-                lowrank.predicting(cell.stack.names), counter:  # the branches the fake run takes, to compare like with like
+                lowrank.predicting(cell.stack.names), compiled.predicting(cell.stack.names, fake=False), \
+                counter:  # the branches the fake run takes, to compare like with like
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 if tensor.is_meta:  # deferred (FSDP2): made when the engine has sharded them
@@ -347,7 +351,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
-            int8.predicting(cell, built.model), FakeTensorMode() as mode, counter:
+            int8.predicting(cell, built.model), compiled.predicting(cell.stack.names), FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
@@ -371,7 +375,8 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     counter.watch_gradients(job.engine.model.parameters())  # where ZeRO's hooks would take them (hybrid.py)
-    counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
+    if not compiled.applies(cell.stack.names):  # its hooks, traced into a compiled layer, would recompile it per layer
+        counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
     for stage, batch in _stepped(cell, built, batches):
         with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)

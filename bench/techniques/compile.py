@@ -85,7 +85,6 @@ TECHNIQUE = Technique(
     choices={"scope": ("layers", "model")},
     ranges={"memory_budget": "[0, 1]"},
     compiles_forward=True,
-    not_predicted="inductor's fused kernels allocate differently than eager ops: not run on fake tensors yet",
     apply=_apply,
     around_step=_in_step,
 )
