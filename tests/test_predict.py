@@ -2127,7 +2127,8 @@ def test_compiled_layers_run_their_generated_code_on_fake_tensors_as_its_built_k
     runs on fake tensors with its kernels never built, allocating through the dispatcher. The same code with
     its C++ kernels built and run on real CPU tensors allocates the same, step for step, phase for phase: to
     one 512 B block (a real build's small temporaries). Dynamo compiled the layers (not eager's fallback), and
-    the partitioner saved less for backward than eager does. Under ZeRO a compile cell is not predicted."""
+    the partitioner saved less for backward than eager does. Under ZeRO or with Liger a compile cell is not
+    predicted."""
     from torch._dynamo.utils import counters
 
     cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("compile"))
@@ -2146,3 +2147,5 @@ def test_compiled_layers_run_their_generated_code_on_fake_tensors_as_its_built_k
     assert compiled_saved < eager.breakdown(eager.peak)["activation"]
     under_zero = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("compile + zero2"))
     assert "ZeRO" in (fake.unsupported_reason(under_zero) or "")
+    with_liger = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("compile + gc + liger"))
+    assert "Liger's kernels in compiled code" in (fake.unsupported_reason(with_liger) or "")
