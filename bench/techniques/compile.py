@@ -64,12 +64,12 @@ def _saved_bytes_counted(evidence: Evidence) -> Iterator[None]:
     (`saved_for_backward_gib`; inside checkpointed layers gc's own hooks see them, not these)."""
     import torch
 
-    saved: dict[int, int] = {}  # storage address -> bytes
+    saved: dict[int, int] = {}  # storage (its C++ object: a fake tensor's has no address) -> bytes
 
     def pack(tensor: Any) -> Any:
         if not isinstance(tensor, torch.nn.Parameter):
             storage = tensor.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage._cdata] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
