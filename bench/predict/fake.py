@@ -23,8 +23,12 @@ non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocat
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
 kernels allocate inside their op (the attention's backward, cuDNN's or flash's: bench/predict/attention.py;
 a column sum's partial sums: bench/predict/reduction.py; an embedding's backward over more than 3,072
-indices: bench/predict/embedding.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py; cuSOLVER's SVD,
-GaLore's: bench/predict/lowrank.py).
+indices: bench/predict/embedding.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py, and its 8-bit one:
+bench/predict/int8.py; cuSOLVER's SVD, GaLore's: bench/predict/lowrank.py).
+
+Values, which fake tensors lack, shape memory in one place: which columns LLM.int8 runs in 16 bits. Their
+number is counted beforehand on a CPU (bench/predict/int8.py). A compiled layer (torch.compile) runs the code
+inductor generates for it, its kernels never built (bench/predict/compiled.py).
 
 Several ranks (FSDP2): the cell's process group is torch's "fake" backend (a FakeStore, this
 process as rank 0 of `gpus` ranks): collectives return at once without moving data, but FSDP2
@@ -438,18 +442,26 @@ def _built_from_config(cell: Cell, built: trainer.Built) -> bool:
 def _load_warmup_made_then_freed(model: Any) -> None:
     """transformers' from_pretrained, given a device map, warms the caching allocator up before it loads
     (modeling_utils.caching_allocator_warmup, 5.17): one block of the weights' loaded size (each weight
-    once, tied ones too; a bitsandbytes 4-bit one at half a byte an element), freed at once. The
-    allocator keeps it cached, and the load and the steps carve their blocks out of it. The H200's
-    Llama-3.2-3B qlora: 2,197,641,216 B, the GPU's 2096 MiB segment to the byte. The weights loaded are
+    once, tied ones too; `_loaded_bytes`), freed at once. The allocator keeps it cached, and the load and
+    the steps carve their blocks out of it. The H200's Llama-3.2-3B qlora: 2,197,641,216 B, the GPU's 2096
+    MiB segment to the byte. The weights loaded are
     the frozen base's: the adapters, trained, come after the load. Not counted: the warmup takes off what
     the cache holds unused, and stops 1.2 GiB short of the card (a model that large does not fit)."""
     import torch
 
-    nbytes = sum(p.numel() // 2 if bnb.is_4bit(p) else p.numel() if int8.is_int8(p) else p.numel() * p.element_size()
-                 for p in model.parameters() if not p.requires_grad)
+    nbytes = sum(_loaded_bytes(p) for p in model.parameters() if not p.requires_grad)
     if nbytes:
         made = torch.empty(nbytes // 2, dtype=torch.float16)
         del made
+
+
+def _loaded_bytes(param: Any) -> int:
+    """A meta weight's bytes once a load has made it: a 4-bit one half a byte an element, an 8-bit one a byte."""
+    if bnb.is_4bit(param):
+        return int(param.numel()) // 2
+    if int8.is_int8(param):
+        return int(param.numel())
+    return int(param.numel() * param.element_size())
 
 
 def _tied_output_made_then_freed(model: Any) -> None:
