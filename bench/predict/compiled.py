@@ -15,7 +15,9 @@ with what needs values taken out (`predicting`):
   address);
 - the ops the generated code leaves to ATen (matmuls, attention) run as any op on fake tensors;
 - the counter and the FLOP counter let compilation itself run unseen (`ignore_compile_internals`): dynamo
-  does not compile under a dispatch mode that would see its tracing, and its runtime is what a GPU measures.
+  does not compile under a dispatch mode that would see its tracing, and its runtime is what a GPU measures;
+  the random-state wrappers torch 2.13's compiled code puts around the attention under checkpointing reach
+  them whole, and run the op inside as any other (bench/predict/rng_ops.py).
 
 What this leaves out: inductor plans a CPU's kernels, not a GPU's; where its fusion choices differ (Triton's
 reductions and templates) the buffers differ. The GPU checks it (H200, Llama-3.2-3B, seq 2048 batch 2):

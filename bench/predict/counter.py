@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..measure import storage_tensors
+from . import rng_ops
 from .pinned import PinnedHostCache
 from .steptime import StepWork
 
@@ -154,6 +156,8 @@ def all_scratch(*kernels: KernelScratch) -> KernelScratch:
 
 
 class MemoryCounter(TorchDispatchMode):
+    supports_higher_order_operators = True  # compiled code's random-state wrappers (bench/predict/rng_ops.py)
+
     def __init__(self, workspaces: Workspaces = Workspaces(), kernel_scratch: KernelScratch = no_scratch):
         super().__init__()
         self.kernel_scratch = kernel_scratch
@@ -221,6 +225,8 @@ class MemoryCounter(TorchDispatchMode):
     # --- allocations ---
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            return rng_ops.run(self, func, args, kwargs or {})
         self._settle()  # an accumulation the previous op left pending: its first operand outlived it
         op = func.overloadpacket.__name__
         scratch = self.kernel_scratch(op, args, kwargs or {})

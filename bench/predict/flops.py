@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import rng_ops
 from .steptime import StepWork
 
 # Where a roofline turns from memory-bound to compute-bound, FLOPs a byte moved: an H100's or H200's dense bf16 rate
@@ -115,6 +117,8 @@ class FlopCount(TorchDispatchMode):
     `compute_flops` sums the FLOPs of the compute-bound and `memory_bytes` the bytes (inputs and
     outputs) of the memory-bound (RIDGE_FLOP_PER_BYTE)."""
 
+    supports_higher_order_operators = True  # compiled code's random-state wrappers (bench/predict/rng_ops.py)
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
@@ -125,6 +129,8 @@ class FlopCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return rng_ops.run(self, func, args, kwargs)
         out = func(*args, **kwargs)
         flops = self._op_flops(func, args, kwargs, out)
         self.flops += flops
