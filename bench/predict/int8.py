@@ -90,7 +90,8 @@ def unsupported_reason(cell: Cell) -> str | None:
     if outlier_counts(cell) is not None:
         return None
     rows = forward_rows(cell)
-    return (f"LLM.int8's outlier columns not counted for {cell.model} at seq {cell.seq_len}, {rows} rows a forward: "
+    return (f"LLM.int8's outlier columns not counted for {cell.model} at seq {cell.seq_len}, {rows} row"
+            f"{'s' if rows != 1 else ''} a forward: "
             f"python tools/int8_outliers.py {cell.model} --seq {cell.seq_len} --batch {rows} --write")
 
 
