@@ -74,20 +74,20 @@ def predicting(stack_names: Sequence[str], fake: bool = True) -> Iterator[None]:
 
     guards = torch._C._dynamo.guards
     unseen = classmethod(lambda cls: True)
-    never_built = _kernel_never_built if fake else None
     torch._dynamo.reset()
     try:
-        # caches off: a graph compiled for real earlier in this process (or on disk) would bring real kernels
-        with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False), \
-                mock.patch.object(async_compile.AsyncCompile, "cpp_pybinding", never_built or _built("cpp_pybinding")), \
-                mock.patch.object(async_compile.AsyncCompile, "cpp", never_built or _built("cpp")), \
-                mock.patch.object(guards, "_empty_strided_cpu", _empty_strided), \
-                mock.patch.object(guards, "_reinterpret_tensor", _reinterpret), \
-                mock.patch.object(guards, "assert_size_stride", _unchecked), \
-                mock.patch.object(guards, "assert_alignment", _unchecked), \
-                mock.patch.object(MemoryCounter, "ignore_compile_internals", unseen), \
-                mock.patch.object(FlopCount, "ignore_compile_internals", unseen):
+        with contextlib.ExitStack() as patches:
+            # caches off: a graph compiled for real earlier in this process (or on disk) would bring real kernels
+            patches.enter_context(inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False))
+            patches.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+            if fake:
+                for method in ("cpp_pybinding", "cpp"):
+                    patches.enter_context(mock.patch.object(async_compile.AsyncCompile, method, _kernel_never_built))
+            for name, replacement in (("_empty_strided_cpu", _empty_strided), ("_reinterpret_tensor", _reinterpret),
+                                      ("assert_size_stride", _unchecked), ("assert_alignment", _unchecked)):
+                patches.enter_context(mock.patch.object(guards, name, replacement))
+            for mode in (MemoryCounter, FlopCount):
+                patches.enter_context(mock.patch.object(mode, "ignore_compile_internals", unseen))
             yield
     finally:
         torch._dynamo.reset()
@@ -96,13 +96,6 @@ def predicting(stack_names: Sequence[str], fake: bool = True) -> Iterator[None]:
 def _kernel_never_built(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A generated kernel, not compiled: calling it writes nothing (its outputs are allocated already)."""
     return _unchecked
-
-
-def _built(method: str) -> Any:
-    """AsyncCompile's own method (a real run builds its kernels)."""
-    from torch._inductor import async_compile
-
-    return getattr(async_compile.AsyncCompile, method)
 
 
 def _unchecked(*args: Any, **kwargs: Any) -> None:
