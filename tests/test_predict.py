@@ -20,7 +20,7 @@ from bench.cells import make_cell
 from bench.checkpoints import random_checkpoint
 from bench.predict import bnb, fake, gpus, hybrid, zero_backward, zero_layout, zero_states
 from bench.predict import runner as predict_runner
-from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces
+from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces, rounded
 from bench.predict.pinned import PinnedHostCache, block_bytes
 from bench.stacks import parse_stack
 from conftest import REPO, run_bench, write_matrix
@@ -2014,9 +2014,6 @@ def test_the_hybrids_trace_keeps_an_in_place_sums_block_as_the_fake_runs_does() 
 
 def _torchao_step_bytes(numel: int, block: int, state: str) -> int:
     """What torchao's compiled step holds at once for a parameter (bench/predict/torchao_optim.py), 512 B a tensor."""
-    def rounded(nbytes: int) -> int:
-        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
-
     scales = 2 * rounded(numel // block * 4)
     if state == "int8":
         return scales + 2 * rounded(4 * numel)
@@ -2063,9 +2060,6 @@ def test_int8_lora_keeps_its_counted_outlier_columns_for_backward(tmp_path: Path
     counts lack is not predicted, and the reason names the command that counts it."""
     from bench.predict import int8
 
-    def rounded(nbytes: int) -> int:
-        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
-
     monkeypatch.setattr(int8, "COUNTS_DIR", tmp_path)
     cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("int8_lora"))
     assert "tools/int8_outliers.py tiny-llama --seq 64 --batch 2 --write" in (fake.unsupported_reason(cell) or "")
@@ -2103,9 +2097,6 @@ def test_int8_layers_inputs_escape_non_reentrant_checkpointing(tmp_path: Path, m
     projection's of the MLP's) with its outlier columns, where reentrant checkpointing's forward builds no graph
     to hold them. The indices stay on the layer's state either way. The difference of the two peaks, by hand."""
     from bench.predict import int8
-
-    def rounded(nbytes: int) -> int:
-        return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
     monkeypatch.setattr(int8, "COUNTS_DIR", tmp_path)
     columns, layers = 100, 2
@@ -2153,3 +2144,14 @@ def test_compiled_layers_run_their_generated_code_on_fake_tensors_as_its_built_k
     assert "ZeRO" in (fake.unsupported_reason(under_zero) or "")
     with_liger = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("compile + gc + liger"))
     assert "Liger's kernels in compiled code" in (fake.unsupported_reason(with_liger) or "")
+
+
+@pytest.mark.parametrize(("args", "said"), [(["llama-3.2-3bb"], "unknown model 'llama-3.2-3bb'"),
+                                            (["tiny-llama", "--seq", "64,x"], "not a comma list of integers"),
+                                            (["tiny-llama", "--batch", "0"], "each must be at least 1"),
+                                            (["tiny-llama", "--layers", "1", "--write"], "leave --layers out")])
+def test_the_outlier_counting_tool_refuses_bad_input_naming_it(args: list[str], said: str) -> None:
+    """tools/int8_outliers.py: exit 2, the problem named, nothing counted or written."""
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "int8_outliers.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-1000:]

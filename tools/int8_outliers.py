@@ -32,17 +32,19 @@ def main() -> None:
     parser.add_argument("model", help="a registry name (bench/model_configs)")
     parser.add_argument("--seq", type=_ints, default=[2048], help="tokens a sequence, a comma list (default 2048)")
     parser.add_argument("--batch", type=_ints, default=[1], help="sequences in the batch, a comma list (default 1)")
-    parser.add_argument("--layers", type=int, help="decoder layers kept (default: all; not with --write)")
+    parser.add_argument("--layers", type=lambda text: _ints(text)[0], help="decoder layers kept (default: all; not with --write)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", action="store_true", help="keep the counts for the predictor")
     args = parser.parse_args()
     if args.write and args.layers is not None:
         parser.error("--write counts every layer: leave --layers out")
+    from bench import models
+
+    if args.model not in models.registry():
+        parser.error(f"unknown model {args.model!r}; known: {', '.join(models.registry())}")
 
     import torch
     from transformers import AutoModelForCausalLM
-
-    from bench import models
 
     config = models.hf_config(models.get(args.model), "sdpa")
     if args.layers is not None:
@@ -68,7 +70,14 @@ def main() -> None:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+    """Positive integers, comma-separated (argparse's type: a bad one is exit 2, named)."""
+    try:
+        found = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a comma list of integers") from None
+    if any(n < 1 for n in found):
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be at least 1")
+    return found
 
 
 def _write(args: argparse.Namespace, key: str, counts: dict[str, int], torch_version: str) -> None:
