@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,6 +189,43 @@ matrices:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_compiles_evidence_leaves_autograds_in_place_gradient_sums_alone() -> None:
+    """A weight used twice (a tied embedding and lm_head), its lm_head gradient computed in forward and saved
+    detached, as Liger's fused loss does: autograd sums the embedding's gradient into it in place, and counting
+    what the step saves must not change that (keeping a Python object of the saved storage would: the sum goes
+    out of place, a gradient's bytes more at the step's peak). The count itself: each storage once, whole."""
+    import torch
+
+    from bench.techniques.compile import _saved_bytes_counted
+
+    vocab, hidden, tokens = 1000, 64, 32
+
+    class FusedHead(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            weight_grad = torch.ones(vocab, hidden)
+            FusedHead.weight_grad_address = weight_grad.data_ptr()
+            ctx.save_for_backward(torch.zeros_like(x).detach(), weight_grad.detach())
+            return (x @ weight.t()).sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x_grad, weight_grad = ctx.saved_tensors
+            return x_grad, weight_grad
+
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden))
+    evidence: dict[str, Any] = {}
+    with _saved_bytes_counted(evidence):
+        embedded = torch.nn.functional.embedding(torch.arange(tokens), weight)
+        FusedHead.apply(embedded[:, :hidden // 2].pow(2).repeat(1, 2), weight).backward()
+    summed_in_place = weight.grad is not None and weight.grad.data_ptr() == FusedHead.weight_grad_address
+    assert summed_in_place
+    # saved: the token ids (int64), pow's input (a view of the embedding's rows: their storage up to its last
+    # element), the head's two tensors (fp32)
+    view_elements = (tokens - 1) * hidden + hidden // 2
+    assert evidence["saved_for_backward_gib"] * 2**30 == tokens * 8 + (view_elements + tokens * hidden + vocab * hidden) * 4
+
+
 def test_unsloth_trains_the_same_cell_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsloth's own loader and LoRA (its CPU fallback) train the suite's cell: from the same random
     checkpoint and tokens, so its first loss is the baseline's, with as many trainable parameters as

@@ -113,8 +113,8 @@ def unsupported_reason(cell: Cell) -> str | None:
         return f"cce: {cce.unsupported_reason(cut.opts['impl'])}"
     if int8.unsupported_reason(cell):
         return f"int8_lora: {int8.unsupported_reason(cell)}"
-    if compiled.unsupported_reason(cell.stack.names):
-        return f"compile: {compiled.unsupported_reason(cell.stack.names)}"
+    if compiled.unsupported_reason(cell.stack):
+        return f"compile: {compiled.unsupported_reason(cell.stack)}"
     if zero:
         return hybrid.unsupported_reason(cell)
     if fsdp_offload.applies(cell) and cell.checkpoint != "none":
@@ -385,6 +385,8 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
         with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
         counter.step_done(stage, batch.input_ids.shape[-1], counted.work())
+        if stage == STAGES[0]:
+            compiled.first_step_done(cell.stack.names)
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 

@@ -61,20 +61,37 @@ def _in_step(cell: Any, opts: Options, evidence: Evidence) -> Iterator[None]:
 @contextlib.contextmanager
 def _saved_bytes_counted(evidence: Evidence) -> Iterator[None]:
     """The bytes the step saves for backward, parameters excluded, each storage once
-    (`saved_for_backward_gib`; inside checkpointed layers gc's own hooks see them, not these)."""
+    (`saved_for_backward_gib`; inside checkpointed layers gc's own hooks see them, not these).
+
+    Counted without ever making a Python object of a storage (`tensor.untyped_storage()`): torch keeps such an
+    object alive with its storage, and autograd then adds a later gradient to a saved one out of place (it sums in
+    place only into a storage nothing else holds). Liger saves the tied lm_head's gradient, so this measurement
+    once grew the step's peak by one such sum: the H200's `compile + gc + liger` (2026-11-29) peaked at 25.47 GiB
+    where the step alone is predicted at 24.81, the embedding's gradient (0.73 GiB) added out of place
+    (tests/test_techniques.py shows the effect on a CPU)."""
     import torch
 
-    saved: dict[int, int] = {}  # storage (its C++ object: a fake tensor's has no address) -> bytes
+    saved: dict[int, int] = {}  # storage id -> bytes of it up to the end of the furthest saved view
 
     def pack(tensor: Any) -> Any:
         if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            saved[storage._cdata] = storage.nbytes()
+            storage = torch._C._storage_id(tensor)  # type: ignore[attr-defined]  # not in torch's stubs
+            saved[storage] = max(saved.get(storage, 0), _bytes_to_end(tensor))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield
     evidence["saved_for_backward_gib"] = sum(saved.values()) / 2**30
+
+
+def _bytes_to_end(tensor: Any) -> int:
+    """A tensor's bytes from its storage's start to its last element: the storage's size for a tensor that is a
+    whole allocation (what the step saves, nearly always), as its address and size are not at hand."""
+    if tensor.numel() == 0:
+        return 0
+    spans = zip(tensor.shape, tensor.stride(), strict=True)
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in spans)
+    return int(last + 1) * tensor.element_size()
 
 
 TECHNIQUE = Technique(
