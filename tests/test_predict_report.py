@@ -212,3 +212,19 @@ def test_a_record_is_read_again_once_a_table_is_written(tmp_path: Path) -> None:
     shutil.copy(full / "llama3b" / "predicted" / "same-software.parquet", results_dir / "llama3b" / "predicted")
     after = report.record(results_dir, "fake-run/1", 1, offload=False)
     assert len(after.reserved_errors) == len(before.reserved_errors) and set(after.reserved_errors) == {0.0}
+
+
+def test_a_cell_measured_under_code_since_fixed_is_compared_and_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measured row the suite's own code moved (MEASURED_UNDER_OLD_CODE, by run and cell): still compared, its
+    error in the summary's figures, and listed beneath them with the reason; the other cells are not listed."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    both = report.checked(results_dir)
+    noted = both.iloc[0]
+    monkeypatch.setattr(report, "MEASURED_UNDER_OLD_CODE", {(noted["run_id"], noted["cell_id"]): "a hook as it was"})
+    text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
+    listed = text.split("Measured under the suite's code as it was", 1)[1].split("\n\n")[1].splitlines()[2:]
+    assert [line.split(" | ")[0].strip("| `") for line in listed] == [noted["cell_id"]]
+    assert listed[0].endswith("| a hook as it was |") and f"**{len(both)} cells compared**" in text
+    monkeypatch.setattr(report, "MEASURED_UNDER_OLD_CODE", {})
+    assert "Measured under the suite's code as it was" not in report.markdown(
+        report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
