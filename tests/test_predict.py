@@ -2143,6 +2143,25 @@ def test_compiled_layers_run_their_generated_code_on_fake_tensors_as_its_built_k
     assert "ZeRO" in (fake.unsupported_reason(under_zero) or "")
 
 
+def test_compiled_codes_kernels_count_as_the_steps_work_and_time_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile cell's step time (bench/predict/steptime.py): the generated kernels, never built, each count as a
+    kernel reading or writing its tensors once, beside the ATen ops the generated code dispatches (matmuls,
+    attention); the cell gets a step time. Without Liger only: compile with Liger is not timed."""
+    from bench.predict import compiled, steptime
+
+    h200 = gpus.get("h200")
+    cell = make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("compile"))
+    counted = fake.predict_cell(cell, h200)
+    monkeypatch.setattr(compiled, "_kernel_counted", lambda *args, **kwargs: None)
+    uncounted = fake.predict_cell(cell, h200)
+    assert counted["status"] == uncounted["status"] == "ok"
+    assert counted["step_kernels"] > uncounted["step_kernels"] and counted["step_memory_gb"] > uncounted["step_memory_gb"]
+    assert counted["step_ops"] == uncounted["step_ops"] and counted["step_tflop"] == uncounted["step_tflop"]
+    assert counted["step_ms"] > 0
+    assert "compile with liger" in (steptime.untimed_reason(parse_stack("compile + gc + liger"), 1) or "")
+    assert steptime.untimed_reason(parse_stack("compile + gc"), 1) is None
+
+
 def test_liger_kernels_in_compiled_layers_are_taken_into_their_graphs_as_on_a_gpu() -> None:
     """compile + liger (bench/predict/triton_launch.py, `traced_by_dynamo`): dynamo takes each of Liger's Triton
     kernels into the layer's graph as an op, as on a GPU, so the layers compile into the few graphs the H200

@@ -30,8 +30,8 @@ saved gradient from being summed in place (bench/techniques/compile.py); the fak
 predicts 24.812, what gc + liger measured (24.812), and the same 4 graphs and 1.43706 GiB saved for backward
 as the H200 counted. Not predicted: the whole model compiled with Liger (`unsupported_reason`).
 Not modelled: what the first step's compilation allocates on the GPU (Triton's autotuning runs its
-candidate configs on copies of the arguments they mutate), and the compiled graph's work for the step time
-(`compile` is in bench/predict/steptime.py's UNTIMED).
+candidate configs on copies of the arguments they mutate). For the step time, each generated kernel counts as
+one reading or writing each of its tensors once (bench/predict/steptime.py times compile cells, not with Liger).
 """
 
 from __future__ import annotations
@@ -118,8 +118,17 @@ def first_step_done(stack_names: Sequence[str]) -> None:
 
 
 def _kernel_never_built(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """A generated kernel, not compiled: calling it writes nothing (its outputs are allocated already)."""
-    return _unchecked
+    """A generated kernel, not compiled: calling it writes nothing (its outputs are allocated already); it is
+    counted as a kernel reading or writing each of its tensors once (flops.count_undispatched_kernel)."""
+    return _kernel_counted
+
+
+def _kernel_counted(*args: Any, **kwargs: Any) -> None:
+    import torch
+
+    from . import flops
+
+    flops.count_undispatched_kernel([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
 
 
 def _unchecked(*args: Any, **kwargs: Any) -> None:

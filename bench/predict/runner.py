@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/18"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/19"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -63,7 +63,9 @@ METHOD = "fake-run/18"  # bump when what a prediction counts changes (2: reserve
 # 17: torch.compile predicted (bench/predict/compiled.py: inductor compiles for the CPU, its generated code runs on
 # fake tensors with its kernels never built), which moves only compile cells, unsupported before; 18: Liger's
 # Triton kernels taken into compiled graphs as on a GPU (bench/predict/triton_launch.py) and compilation's
-# leftovers collected after the first step, which moves only compile + liger cells, unsupported before)
+# leftovers collected after the first step, which moves only compile + liger cells, unsupported before; 19: the
+# kernels of compiled code counted (step_kernels, step_memory_gb: each reading or writing its tensors once), and
+# compile cells without Liger timed (bench/predict/steptime.py), which moves no memory figure)
 
 
 @dataclass(frozen=True)
