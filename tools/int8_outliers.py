@@ -6,7 +6,8 @@
 The model is built as `bench/checkpoints.py` builds its random checkpoints (transformers' init, bf16,
 seeded), cut to its first `--layers` decoder layers (default: all), and one batch of random token ids of the
 cell's shape (each of the shapes asked, one model) runs forward on the CPU with real values. A column counts
-where any token's value (in fp16, as bitsandbytes quantizes it) reaches the threshold, 6.0 (bench/techniques/int8_lora.py says why this matters).
+where any token's value (in fp16, as bitsandbytes quantizes it) reaches the threshold, 6.0
+(bench/techniques/int8_lora.py says why this matters).
 `--write` keeps the counts of every layer, all layers run, in results/int8-outliers/MODEL.json, where the
 predictor takes them for int8_lora cells of that model and batch shape (bench/predict/int8.py).
 Llama-3.2-3B at 4,096 tokens: about 1.5 minutes on 2 cores, a minute of it the model's build.

@@ -81,8 +81,9 @@ def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
                  "day: no fit had seen the measurement. Offload, ZeRO, QLoRA and LLM.int8 bases, cut cross-entropy, "
                  "torch.compile with Liger and torchao's compiled step, selective checkpointing's op policy (a Python "
                  "dispatch mode on every op) and several-rank cells are not timed; torch.compile's cells are, from "
-                 "the kernels of the code inductor generates for the CPU, each reading or writing its tensors once. bitsandbytes' 8-bit optimizer step, slower "
-                 "than its bytes say, adds a fifth rate: device time a trainable parameter, fitted to its cells alone.",
+                 "the kernels of the code inductor generates for the CPU, each reading or writing its tensors once. "
+                 "bitsandbytes' 8-bit optimizer step, slower than its bytes say, adds a fifth rate: device time a "
+                 "trainable parameter, fitted to its cells alone.",
                  "", *lines]
     return lines
 
