@@ -1618,7 +1618,7 @@ def test_another_liger_version_is_not_predicted_but_said(monkeypatch: pytest.Mon
 def test_a_cut_cross_entropy_prediction_fakes_its_kernels() -> None:
     """cce(impl=cce): its wrappers run on fake tensors with no kernel launched, so the step has no
     logits (at least the fp32 logits' bytes below the baseline's peak); the helpers the fake run
-    replaces are the package's own again afterwards. The compiled fallback is said, not guessed."""
+    replaces are the package's own again afterwards."""
     pytest.importorskip("cut_cross_entropy")
     from cut_cross_entropy import cce
 
@@ -1633,9 +1633,28 @@ def test_a_cut_cross_entropy_prediction_fakes_its_kernels() -> None:
     fp32_logits_gib = 2 * 64 * 1024 * 4 / 2**30  # tokens x tiny-llama's vocabulary, fp32
     assert cut["peak_allocated_gib"] < baseline["peak_allocated_gib"] - fp32_logits_gib
     assert (cce._build_flat_valids, cce.sort_logit_avg) == helpers
-    compiled = predicted("cce(impl=torch_compile)")
-    assert (compiled["status"], compiled["unsupported_reason"]) == (
-        "unsupported", "cce: cce(impl=torch_compile) runs compiled kernels: not run on fake tensors")
+
+
+def test_cut_cross_entropys_compiled_loss_runs_on_fake_tensors_as_its_built_kernels_do() -> None:
+    """cce(impl=torch_compile): the package's `torch.compile`d matmul and cross-entropy compiles for the CPU and
+    its generated code runs on fake tensors (bench/predict/compiled.py), the labels all taken as valid (their
+    indices found by value on a GPU): the same code with its C++ kernels built, on real CPU tensors whose labels
+    are all valid, allocates the same, phase for phase, to one 512 B block; the helper is the package's again."""
+    pytest.importorskip("cut_cross_entropy")
+    from cut_cross_entropy import torch_compile
+
+    helper = torch_compile._build_flat_valids
+    cell = make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack("cce(impl=torch_compile)"))
+    assert fake.unsupported_reason(cell) is None
+    with fake._cce(cell):
+        fake_counter, _, _ = fake.counted_run(cell, Workspaces())
+    assert torch_compile._build_flat_valids is helper
+    real_counter, _, _ = fake.counted_run(cell, Workspaces(), fake=False)
+    steps = [k for k in fake_counter.phase_peaks if k != "build"]
+    assert {"first_step/forward", "measure/backward"} <= set(steps)
+    for phase in steps:
+        assert abs(fake_counter.phase_peaks[phase] - real_counter.phase_peaks[phase]) <= BLOCK_BYTES, phase
+    assert fake_counter.peak.op == real_counter.peak.op
 
 
 @pytest.mark.parametrize("rows", [512, 1024])

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
@@ -48,19 +48,22 @@ if TYPE_CHECKING:
     from ..stacks import Stack
 
 
-def applies(stack_names: Sequence[str]) -> bool:
-    return "compile" in stack_names
+def applies(stack: Stack) -> bool:
+    """Whether the cell runs compiled code: the compile technique, or cut cross-entropy's torch_compile loss
+    (a `torch.compile`d matmul and cross-entropy, cut_cross_entropy.torch_compile)."""
+    return "compile" in stack.names or any(use.name == "cce" and use.opts["impl"] == "torch_compile"
+                                           for use in stack.uses)
 
 
 def unsupported_reason(stack: Stack) -> str | None:
     """Why a compile cell is not predicted: under ZeRO (its hybrid reads which weights backward uses from eager
     hooks), or the whole model compiled with Liger (the fake run's mirror of Liger's fused loss would be compiled
     in place of Liger's own code, which compiles otherwise: it reads the labels' count as a Python number)."""
-    if not applies(stack.names):
+    if not applies(stack):
         return None
     if {"zero2", "zero3"} & set(stack.names):
         return "torch.compile under ZeRO: the hybrid's view of which weights backward uses is not taken in compiled code"
-    scope = next(use.opts["scope"] for use in stack.uses if use.name == "compile")
+    scope = next((use.opts["scope"] for use in stack.uses if use.name == "compile"), None)
     if scope == "model" and "liger" in stack.names:
         return ("the whole model compiled with Liger: its fused loss would compile as the fake run's mirror of it, "
                 "not as Liger's own code")
@@ -68,11 +71,11 @@ def unsupported_reason(stack: Stack) -> str | None:
 
 
 @contextlib.contextmanager
-def predicting(stack_names: Sequence[str], fake: bool = True) -> Iterator[None]:
+def predicting(stack: Stack, fake: bool = True) -> Iterator[None]:
     """For a compile cell: compilation runs unseen and the compiled code runs on fake tensors (the module's
     text); dynamo's caches are emptied before and after, so no cell runs another's compiled code. With
     fake=False its kernels are built and run, on real tensors: what the tests compare the fake run with."""
-    if not applies(stack_names):
+    if not applies(stack):
         yield
         return
     import torch
@@ -99,21 +102,21 @@ def predicting(stack_names: Sequence[str], fake: bool = True) -> Iterator[None]:
                 patches.enter_context(mock.patch.object(guards, name, replacement))
             for mode in (MemoryCounter, FlopCount):
                 patches.enter_context(mock.patch.object(mode, "ignore_compile_internals", unseen))
-            if fake and "liger" in stack_names:  # Liger's kernels in the compiled layers, as on a GPU
+            if fake and "liger" in stack.names:  # Liger's kernels in the compiled layers, as on a GPU
                 patches.enter_context(triton_launch.traced_by_dynamo())
             yield
     finally:
         torch._dynamo.reset()
 
 
-def first_step_done(stack_names: Sequence[str]) -> None:
+def first_step_done(stack: Stack) -> None:
     """After a compile cell's first step, its compilation's leftovers freed. Dynamo keeps each compiled frame's
     first call's locals (the guards' scope: a layer's hidden states, the rotary cos and sin) in reference
     cycles that only Python's cycle collector frees, whenever it next runs. A GPU run has run its warm-up steps
     by the steps it measures (the H200's compile + gc + liger holds what gc + liger holds through its measured
     forward, 2026-11-29); the fake run's second step stands for them all, so the collector runs now, or those
     24 MiB would count or not by when it last ran in this process (seen: 24.809 or 24.834 GiB, same cell)."""
-    if applies(stack_names):
+    if applies(stack):
         gc.collect()
 
 

@@ -339,7 +339,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
         with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), \
-                lowrank.predicting(cell.stack.names), compiled.predicting(cell.stack.names, fake=False), \
+                lowrank.predicting(cell.stack.names), compiled.predicting(cell.stack, fake=False), \
                 counter:  # the branches the fake run takes, to compare like with like
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
@@ -355,7 +355,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
-            int8.predicting(cell, built.model), compiled.predicting(cell.stack.names), FakeTensorMode() as mode, counter:
+            int8.predicting(cell, built.model), compiled.predicting(cell.stack), FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)
@@ -379,14 +379,14 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     counter.on_optimizer = job.engine.model.parameters
     counter.after_step = job.engine.optimizer_state
     counter.watch_gradients(job.engine.model.parameters())  # where ZeRO's hooks would take them (hybrid.py)
-    if not compiled.applies(cell.stack.names):  # its hooks, traced into a compiled layer, would recompile it per layer
+    if not compiled.applies(cell.stack):  # its hooks, traced into a compiled layer, would recompile it per layer
         counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
     for stage, batch in _stepped(cell, built, batches):
         with FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
         counter.step_done(stage, batch.input_ids.shape[-1], counted.work())
         if stage == STAGES[0]:
-            compiled.first_step_done(cell.stack.names)
+            compiled.first_step_done(cell.stack)
     counter.finish()
     return measure.tensor_gib(job.engine.optimizer_state())
 

@@ -527,11 +527,15 @@ def beside_measured(group: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
         by_batch = s.set_index("batch_size")
         cells = [_beside(by_batch.loc[b]) if b in by_batch.index else "" for b in batches]
         lines.append(f"| {code_cell(stack)} | " + " | ".join(cells) + " |")
+    if _under_old_code(both):
+        lines += ["", "† measured under the suite's code as it was, since fixed where it moved the figure: "
+                      "results/PREDICTION.md says how."]
     return [*lines, ""]
 
 
 def _beside(r: pd.Series) -> str:
-    allocated = f"{r['peak_allocated_gib']:.2f} / {r['peak_allocated_gib_predicted']:.2f} ({r['error_frac']:+.2%})"
+    noted = " †" if (r["run_id"], r["cell_id"]) in MEASURED_UNDER_OLD_CODE else ""
+    allocated = f"{r['peak_allocated_gib']:.2f}{noted} / {r['peak_allocated_gib_predicted']:.2f} ({r['error_frac']:+.2%})"
     if pd.isna(r["reserved_error_frac"]):
         return allocated
     return f"{allocated} · {r['peak_reserved_gib']:.2f} / {r['peak_reserved_gib_predicted']:.2f} " \

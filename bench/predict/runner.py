@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/19"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/20"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -65,7 +65,9 @@ METHOD = "fake-run/19"  # bump when what a prediction counts changes (2: reserve
 # Triton kernels taken into compiled graphs as on a GPU (bench/predict/triton_launch.py) and compilation's
 # leftovers collected after the first step, which moves only compile + liger cells, unsupported before; 19: the
 # kernels of compiled code counted (step_kernels, step_memory_gb: each reading or writing its tensors once), and
-# compile cells without Liger timed (bench/predict/steptime.py), which moves no memory figure)
+# compile cells without Liger timed (bench/predict/steptime.py), which moves no memory figure; 20: cut
+# cross-entropy's torch_compile loss run as compiled code (bench/predict/compiled.py), which moves only
+# cce(impl=torch_compile) cells, unsupported before)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ cross-entropy is the same idea in another kernel.
 the package's own fallback: the plain logits and loss, compiled as one graph; it runs anywhere, and
 is what the CPU tests run.
 Predicted: `impl=cce`'s Python wrappers on fake tensors, kernel launches no-ops (bench/predict/cce.py);
-`impl=torch_compile` not (compiled kernels).
+`impl=torch_compile` as any compiled code, inductor's code for the CPU run on fake tensors
+(bench/predict/compiled.py).
 """
 
 from __future__ import annotations
