@@ -1,6 +1,7 @@
 """torch.compile on fake tensors: inductor's generated code run with its kernels stubbed out.
 
-The `compile` technique compiles each decoder layer (bench/techniques/compile.py). Its memory is not eager's:
+The `compile` technique compiles each decoder layer (bench/techniques/compile.py); cut cross-entropy's
+`impl=torch_compile` loss is a compiled function too (bench/predict/cce.py). Their memory is not eager's:
 AOTAutograd's partitioner chooses what forward saves for backward (fewer tensors than eager, recomputing
 cheap ones), and inductor's fused kernels allocate their outputs from a plan of their own, reusing buffers.
 Both are decided at compile time, from shapes: they need no values. So while a cell is predicted, dynamo,
@@ -72,9 +73,10 @@ def unsupported_reason(stack: Stack) -> str | None:
 
 @contextlib.contextmanager
 def predicting(stack: Stack, fake: bool = True) -> Iterator[None]:
-    """For a compile cell: compilation runs unseen and the compiled code runs on fake tensors (the module's
-    text); dynamo's caches are emptied before and after, so no cell runs another's compiled code. With
-    fake=False its kernels are built and run, on real tensors: what the tests compare the fake run with."""
+    """For a cell running compiled code: compilation runs unseen and the compiled code runs on fake tensors
+    (the module's text); dynamo's caches are emptied before and after, so no cell runs another's compiled
+    code. With fake=False its kernels are built and run, on real tensors: what the tests compare the fake
+    run with."""
     if not applies(stack):
         yield
         return
