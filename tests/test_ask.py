@@ -16,6 +16,7 @@ import pytest
 
 from bench import ask, cli, envinfo, fit, models, results
 from bench.predict import gpus
+from bench.predict import report as predict_report
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS["h100"]
@@ -37,7 +38,7 @@ def _measured(cell_id: str, run_id: str, status: str, reserved: float | None, **
 
 
 def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_measurement(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     cell, _ = ask.cell_for(ask.Question("tiny-llama", 64, 2, "gc"))
     same = {"model": "tiny-llama", "seq_len": 64, "batch_size": 2, "stack": "gc", "gpus": 1}
     results.write_parquet([
@@ -55,7 +56,12 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert re.search(r"compute +\d+\.\d\d TFLOP a step: the matmuls and attention", out)  # counted, not timed
     assert out.count("measured:") == 1  # neither the other batch nor the capped probe
     assert f"under torch {HERE['torch'].split('+')[0]}, transformers {HERE['transformers']}" in out
-    assert "measured under other releases" not in out
+    assert "measured under other releases" not in out and "since fixed" not in out
+    # a row measured under the suite's code as it was (PREDICTION.md lists them): said beneath it
+    monkeypatch.setattr(predict_report, "MEASURED_UNDER_OLD_CODE", {("gpu-run", cell.cell_id): "a hook as it was"})
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
+    assert "reserved 0.75 GiB" in out and "under the suite's code as it was, since fixed: a hook as it was" in out
+    monkeypatch.undo()
 
     older = {**same, "torch_version": "2.0.1", "transformers_version": "4.40.0"}  # releases no venv here has
     results.write_parquet([_measured(cell.cell_id, "older-gpu-run", "ok", 0.8, **older)],
