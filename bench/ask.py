@@ -380,7 +380,7 @@ def _measured_line(rows: list[dict[str, Any]]) -> str:
         repeats = f"; {len(rows)} repeats, reserved {min(reserved):.2f} to {max(reserved):.2f} GiB"
     why = row.get("skip_reason") or (row.get("error") if row["status"] != "ok" else None)
     why = f" ({str(why).strip().splitlines()[-1]})" if why else ""
-    since_fixed = predict_report.MEASURED_UNDER_OLD_CODE.get((row.get("run_id"), row.get("cell_id")))
+    since_fixed = predict_report.MEASURED_UNDER_OLD_CODE.get((str(row.get("run_id")), str(row.get("cell_id"))))
     since_fixed = f"\n  under the suite's code as it was, since fixed: {since_fixed}" if since_fixed else ""
     return (f"measured: {row['status']}{why} on {row.get('gpu_name') or 'a GPU'}, run {row['run_id']} "
             f"({software(row)}){': ' + figures if figures else ''}{repeats}{since_fixed}")
