@@ -29,7 +29,8 @@ def timed(both: pd.DataFrame, gpu_key: str, rates: steptime.StepRates | None = N
 
 def _work(r: pd.Series, rates: steptime.StepRates | None) -> steptime.StepWork | None:
     stack, gpus = parse_stack(r["stack"]), int(r["gpus"])
-    if steptime.untimed_reason(stack, gpus) or (rates is not None and steptime.unsupported_reason(stack, gpus, rates)):
+    # without rates, only what no GPU kind times; with them, also what they cannot (an 8-bit optimizer's rate missing)
+    if steptime.untimed_reason(stack, gpus) if rates is None else steptime.unsupported_reason(stack, gpus, rates):
         return None
     # the predicted row's parameters: a prediction's work is its own
     return steptime.cell_work({**r, "trainable_params": r.get("trainable_params_predicted")}, stack)
