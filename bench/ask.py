@@ -269,11 +269,27 @@ def _predicted_lines(a: Answer) -> list[str]:
     if p.get("step_tflop") is not None:
         lines.append(f"  compute         {p['step_tflop']:8.2f} TFLOP a step: the matmuls and attention the fake run "
                      "dispatched, recomputation included")
+    lines += _compiled_lines(p)
     lines.append(_step_time_line(a))
     if p.get("host_peak_gib") is not None:
         held = "DeepSpeed's offloaded states (pinned and pageable)" if hybrid else "offload's pinned copies"
         lines.append(f"  host RAM        {predict_runner.host_needed_gib(p):8.2f} GiB  {held} and worker processes")
     return lines
+
+
+def _compiled_lines(p: dict[str, Any]) -> list[str]:
+    """For a stack with torch.compile: the graphs dynamo made in the fake run (the technique's evidence, as a GPU
+    run records it), and what it saved for backward; where it made none, that it compiled nothing."""
+    evidence = json.loads(p.get("evidence_json") or "{}")
+    graphs = evidence.get("compile_graphs")
+    if graphs is None:
+        return []
+    if graphs == 0:
+        return ["  compiled        nothing: dynamo ran the layers eagerly under these releases (the fake run runs "
+                "dynamo as a GPU run does), so the step is eager's"]
+    saved = evidence.get("saved_for_backward_gib")
+    return [f"  compiled        {graphs} graph{'s' if graphs > 1 else ''} (dynamo)"
+            + (f", {saved:.2f} GiB saved for backward outside checkpointed layers" if saved is not None else "")]
 
 
 def predicted_step_ms(a: Answer) -> float | None:

@@ -144,11 +144,11 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 11  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 12  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
 # 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed; 11: step_ops, step_kernels, step_compute_tflop,
-# step_memory_gb, step_ms
+# step_memory_gb, step_ms; 12: evidence_json
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "python_hash_seed", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -248,6 +248,9 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                          "fitted to measured cells); empty where not predicted (no rates for the kind, a stack or rank "
                          "count the model does not time), ms; measured counterpart: step_ms_p50"),
     ("allocations", "int", "allocations in the fake run's trace"),
+    ("evidence_json", "str", "what each technique reported in the fake run (JSON), as a measured row's evidence_json "
+                             "does on the GPU: e.g. compile's graphs and saved_for_backward_gib; empty for hybrids and "
+                             "before schema 12"),
     ("phase_timeline_json", "str", "predicted allocated at the end of each phase and its peak within it "
                                    "(end_allocated_gib, peak_allocated_gib): the build, the first step's phases, "
                                    "the steady step's (JSON list in order)"),

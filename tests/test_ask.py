@@ -77,6 +77,16 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert [r["run_id"] for r in answer["measured"]] == ["gpu-run", "older-gpu-run"]
 
 
+def test_a_compiled_stack_says_how_many_graphs_dynamo_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.compile's evidence from the fake run (the graphs dynamo compiled, what they saved for backward), as a
+    GPU run records it: said beside the prediction; a stack without compile says nothing of it."""
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "compile")
+    assert code == 0, out
+    assert re.search(r"compiled +1 graph \(dynamo\), \d+\.\d\d GiB saved for backward", out), out
+    code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
+    assert "compiled " not in out
+
+
 def test_a_card_too_small_is_exit_1_and_a_stack_the_fake_run_cannot_see_is_exit_3(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--gpu-memory-gib", "0.01")

@@ -2199,8 +2199,9 @@ def test_liger_kernels_in_compiled_layers_are_taken_into_their_graphs_as_on_a_gp
         return found
 
     counters.clear()
-    predicted("compile + liger")
+    with_liger = predicted("compile + liger")
     assert counters["stats"]["unique_graphs"] == 4
+    assert json.loads(with_liger["evidence_json"])["compile_graphs"] == 4  # the technique's evidence, as a GPU row's
     first = predicted("compile + gc + liger")
     for other in ("compile + gc", "gc + liger", "compile + liger"):
         predicted(other)

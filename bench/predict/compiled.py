@@ -91,6 +91,7 @@ def predicting(stack: Stack, fake: bool = True) -> Iterator[None]:
     guards = torch._C._dynamo.guards
     unseen = classmethod(lambda cls: True)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters["stats"].clear()  # the graphs compile's evidence counts: this cell's, as in a GPU run's process
     try:
         with contextlib.ExitStack() as patches:
             # caches off: a graph compiled for real earlier in this process (or on disk) would bring real kernels

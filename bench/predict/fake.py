@@ -177,6 +177,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "flops_per_token": built.flops_per_token,
         **_work(cell, counter.steps[-1].work, gpu, built.trainable_params),
         "allocations": len(counter.records),
+        "evidence_json": json.dumps(built.evidence, sort_keys=True, default=str),
         "phase_timeline_json": json.dumps(_timeline(counter)),
         **_host(cell, counter),
     }
@@ -388,6 +389,7 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
         if stage == STAGES[0]:
             compiled.first_step_done(cell.stack)
     counter.finish()
+    built.evidence.update(job.evidence)  # with what the steps' hooks added (compile's graphs, its saved bytes)
     return measure.tensor_gib(job.engine.optimizer_state())
 
 
