@@ -228,3 +228,23 @@ def test_a_cell_measured_under_code_since_fixed_is_compared_and_said(tmp_path: P
     monkeypatch.setattr(report, "MEASURED_UNDER_OLD_CODE", {})
     assert "Measured under the suite's code as it was" not in report.markdown(
         report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
+
+
+def test_a_techniques_evidence_is_set_beside_the_gpus_where_both_rows_have_it(tmp_path: Path) -> None:
+    """EVIDENCE_COMPARED from a prediction's evidence_json beside the measured row's: listed for the cells whose
+    two rows both have it, and for no other; none, no section."""
+    results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
+    path = results_dir / "llama3b" / "predicted" / "same-software.parquet"
+    predicted = pd.read_parquet(path)
+    text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
+    assert "A technique's own evidence" not in text
+    measured = report.measured_gpu_cells(results_dir).set_index("cell_id")
+    cell = predicted["cell_id"].iloc[0]
+    predicted["evidence_json"] = None
+    predicted.loc[predicted["cell_id"] == cell, "evidence_json"] = '{"saved_for_backward_gib": 1.5, "other": 2}'
+    predicted.to_parquet(path)
+    with_evidence = measured.loc[[cell]].reset_index().assign(evidence_json='{"saved_for_backward_gib": 1.25}')
+    text = report.markdown(pd.concat([measured.drop(index=cell).reset_index(), with_evidence]),
+                           report.predictions(results_dir, every_software=True))
+    section = text.split("A technique's own evidence", 1)[1].split("\n\n")[1].splitlines()[2:]
+    assert section == [f"| `{cell}` | {measured.loc[cell, 'gpu_name']} | saved_for_backward_gib | 1.25 | 1.5 |"]

@@ -11,6 +11,7 @@ fraction of measured. Generated, never edited by hand.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,6 +197,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFram
     lines += _by_software(measured, predicted)
     lines += _made_before_run(measured, every, both) if every is not None else []
     lines += _by_method(both, predicted)
+    lines += _evidence(both)
     if len(both):
         lines += ["| cell | GPU | stack | seq | batch | allocated GiB: measured | predicted | error | "
                   "reserved GiB: measured | predicted | error | peak (measured / predicted) |",
@@ -264,6 +266,28 @@ def _under_old_code(both: pd.DataFrame) -> list[str]:
         lines.append(f"| `{r['cell_id']}` | {r['run_id']} | {r['error_frac']:+.2%} | {_signed(r['reserved_error_frac'])} | "
                      f"{MEASURED_UNDER_OLD_CODE[(r['run_id'], r['cell_id'])]} |")
     return [*lines, ""]
+
+
+# Evidence a technique reports that the fake run predicts (a prediction's evidence_json, schema 12 on): compared
+# with the GPU's where both have it. torch.compile's: the graphs dynamo compiled and what the partitioner saved.
+EVIDENCE_COMPARED = ("compile_graphs", "saved_for_backward_gib")
+
+
+def _evidence(both: pd.DataFrame) -> list[str]:
+    """The techniques' evidence beside the GPU's (EVIDENCE_COMPARED), for the pairs where both rows have it."""
+    if "evidence_json_predicted" not in both:
+        return []
+    rows = []
+    for _, r in both.iterrows():
+        measured, predicted = (json.loads(v) if isinstance(v, str) and v else {}
+                               for v in (r.get("evidence_json"), r.get("evidence_json_predicted")))
+        for key in EVIDENCE_COMPARED:
+            if key in measured and key in predicted:
+                rows.append(f"| `{r['cell_id']}` | {r['gpu_name']} | {key} | {measured[key]:.6g} | {predicted[key]:.6g} |")
+    if not rows:
+        return []
+    return ["A technique's own evidence (its `evidence_json`), predicted beside measured where both have it:", "",
+            "| cell | GPU | evidence | measured | predicted |", "|---|---|---|---|---|", *rows, ""]
 
 
 def _segments(both: pd.DataFrame) -> str:
