@@ -112,14 +112,24 @@ def predicting(stack: Stack, fake: bool = True) -> Iterator[None]:
         torch._dynamo.reset()
 
 
-def first_step_done(stack: Stack) -> None:
-    """After a compile cell's first step, its compilation's leftovers freed. Dynamo keeps each compiled frame's
-    first call's locals (the guards' scope: a layer's hidden states, the rotary cos and sin) in reference
-    cycles that only Python's cycle collector frees, whenever it next runs. A GPU run has run its warm-up steps
-    by the steps it measures (the H200's compile + gc + liger holds what gc + liger holds through its measured
-    forward, 2026-11-29); the fake run's second step stands for them all, so the collector runs now, or those
-    24 MiB would count or not by when it last ran in this process (seen: 24.809 or 24.834 GiB, same cell)."""
-    if applies(stack):
+@contextlib.contextmanager
+def collector_paused(stack: Stack) -> Iterator[None]:
+    """Around each step of a cell running compiled code: Python's cycle collector paused, then run. Compiled
+    code leaves reference cycles: dynamo keeps each compiled frame's first call's locals (the guards' scope: a
+    layer's hidden states, the rotary cos and sin) and its graph breaks' frames, which only the collector frees.
+    When it runs on its own depends on what the process allocated before, and it moved the prediction: the first
+    step's 24 MiB counted or not in the steady one (24.809 or 24.834 GiB allocated, compile + gc + liger), the
+    allocator's replay with it (25.662 or 25.680 GiB reserved). Paused in a step and run after it, a cell comes out
+    the same wherever it runs; a GPU run has collected the first step's by the steps it measures (the H200's
+    compile + gc + liger holds what gc + liger holds through its measured forward, 2026-11-29)."""
+    if not applies(stack) or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
         gc.collect()
 
 

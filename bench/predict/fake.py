@@ -383,11 +383,9 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     if not compiled.applies(cell.stack):  # its hooks, traced into a compiled layer, would recompile it per layer
         counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
     for stage, batch in _stepped(cell, built, batches):
-        with FlopCount() as counted:  # what recomputation costs shows here
+        with compiled.collector_paused(cell.stack), FlopCount() as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
         counter.step_done(stage, batch.input_ids.shape[-1], counted.work())
-        if stage == STAGES[0]:
-            compiled.first_step_done(cell.stack)
     counter.finish()
     built.evidence.update(job.evidence)  # with what the steps' hooks added (compile's graphs, its saved bytes)
     return measure.tensor_gib(job.engine.optimizer_state())
