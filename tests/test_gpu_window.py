@@ -142,3 +142,16 @@ def test_a_slimmed_wheel_drops_the_libraries_asked_and_still_installs(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "site" / "demo").iterdir()) == ["__init__.py", "lib_cuda130.so"]
     installed_record = (tmp_path / "site" / "demo-1.0.dist-info" / "RECORD").read_text()
     assert "lib_cuda130.so" in installed_record and "lib_cuda118" not in installed_record
+
+
+def test_every_line_of_the_backlog_is_a_comment_or_a_named_step() -> None:
+    """tools/gpu-backlog.steps, read as the window reads it: a line that is neither blank nor a comment is a step,
+    `name: command`, each name once. A comment's continuation that lost its `#` would be run as a command."""
+    names = []
+    for number, line in enumerate((REPO / "tools" / "gpu-backlog.steps").read_text().splitlines(), 1):
+        if not line or line.startswith("#"):
+            continue
+        found = re.fullmatch(r"([a-z0-9][a-z0-9-]*): (\S.*)", line)
+        assert found, f"line {number} is neither a comment nor `name: command`: {line[:80]!r}"
+        names.append(found.group(1))
+    assert len(names) == len(set(names)) > 10
