@@ -2186,9 +2186,10 @@ def test_liger_kernels_in_compiled_layers_are_taken_into_their_graphs_as_on_a_gp
     kernels into the layer's graph as an op, as on a GPU, so the layers compile into the few graphs the H200
     counted for Llama-3.2-3B (4: the graph breaks are Liger's own, around its RoPE), not a graph between every
     two kernels. Predicted again after other cells in the same process, compile + gc + liger comes out the same
-    (compilation's leftovers are collected after the first step; torch 2.13 runs those layers eagerly: a graph
-    break under checkpointing). The whole model compiled with Liger is not predicted: its fused loss would
-    compile as the fake run's mirror of it."""
+    (the cycle collector, which frees compilation's leftovers, paused within each step and run after it; under
+    torch 2.13 / transformers 5.24 its layers run eagerly: dynamo cannot trace Liger's RoPE inside the
+    checkpoint). The whole model compiled with Liger is not predicted: its fused loss would compile as the fake
+    run's mirror of it."""
     from torch._dynamo.utils import counters
 
     h100 = gpus.get("h100")
