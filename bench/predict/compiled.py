@@ -135,16 +135,10 @@ def collector_paused(stack: Stack) -> Iterator[None]:
 
 def _kernel_never_built(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A generated kernel, not compiled: calling it writes nothing (its outputs are allocated already); it is
-    counted as a kernel reading or writing each of its tensors once (flops.count_undispatched_kernel)."""
-    return _kernel_counted
-
-
-def _kernel_counted(*args: Any, **kwargs: Any) -> None:
-    import torch
-
+    counted as a kernel reading or writing each of its tensors once."""
     from . import flops
 
-    flops.count_undispatched_kernel([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+    return flops.count_undispatched_call
 
 
 def _unchecked(*args: Any, **kwargs: Any) -> None:

@@ -82,6 +82,14 @@ def count_undispatched_matmul(rows: int, inner: int, cols: int) -> None:
         mode.compute_flops += 2 * rows * inner * cols
 
 
+def count_undispatched_call(*args: Any, **kwargs: Any) -> None:
+    """A kernel called with these arguments but not run (a Triton launch, inductor's generated kernel: never built
+    on fake tensors), counted as reading or writing each tensor among them once (`count_undispatched_kernel`)."""
+    import torch
+
+    count_undispatched_kernel([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+
+
 def count_undispatched_kernel(tensors: list[Any]) -> None:
     """A kernel the dispatcher does not see (a Triton launch: bench/predict/triton_launch.py), added to the
     FlopCount running as one memory-bound kernel reading or writing each of its tensors once."""
