@@ -237,10 +237,11 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("step_tflop", "float", "PREDICTED floating-point operations of the last step run (a steady one), as the fake "
                             "run dispatches them (bench/predict/flops.py: matmuls and attention, recomputation "
                             "included, element-wise ops not; before fake-run/12, attention uncounted under torch "
-                            "< 2.15); empty where matmuls run in Triton or bitsandbytes kernels (cce, qlora, "
-                            "int8_lora; liger too before fake-run/13), TFLOP"),
+                            "< 2.15); empty where matmuls run in Triton or bitsandbytes kernels (cce, int8_lora; "
+                            "qlora before fake-run/22, liger before fake-run/13), TFLOP"),
     ("step_ops", "int", "ops the last step dispatched (views included): the host's share of the predicted step time "
-                        "(bench/predict/steptime.py); empty before fake-run/14 and where step_tflop is"),
+                        "(bench/predict/steptime.py); empty before fake-run/14 and where step_tflop is; before "
+                        "fake-run/22 with a fake tensor's device questions (prim.device), about two thirds of them"),
     ("step_kernels", "int", "of step_ops, those that launch a GPU kernel (Triton launches included)"),
     ("step_compute_tflop", "float", "FLOPs of the compute-bound kernels (above 256 FLOPs a byte moved), TFLOP"),
     ("step_memory_gb", "float", "bytes the memory-bound kernels read and write (each input and output once), GB"),

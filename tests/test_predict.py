@@ -1657,11 +1657,14 @@ def test_cut_cross_entropys_compiled_loss_runs_on_fake_tensors_as_its_built_kern
     assert fake_counter.peak.op == real_counter.peak.op
 
 
-@pytest.mark.parametrize("rows", [512, 1024])
-def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> None:
-    """bitsandbytes' 4-bit matmul: CUDA's kernel dequantizes the whole weight (and its nested fp32
-    statistics, twice) for more than 512 rows, runs F.linear, frees the scratch; the fake kernel only
-    returns the output. The counter adds the scratch where CUDA makes it."""
+@pytest.mark.parametrize(("rows", "gpu", "dequantizes"), [
+    (16, "h100", False), (256, "h100", True), (1024, "h100", True), (256, "a100", False), (2048, "a100", True)])
+def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int, gpu: str, dequantizes: bool) -> None:
+    """bitsandbytes' 4-bit matmul: on CUDA it either dequantizes the whole weight (and its nested fp32
+    statistics, twice), runs F.linear and frees the scratch, or runs its own kernel; the fake kernel only
+    returns the output. The counter adds the scratch where CUDA makes it. Which path, bitsandbytes chooses by
+    rows, shape and GPU (0.50.2, a 1024 x 512 weight: past 1536 rows always dequantized; an H100 (sm90, 132 SMs)
+    its own kernel up to 32 rows, an A100 (sm80, 108 SMs) up to 384)."""
     import bitsandbytes
     import torch
     from bitsandbytes import functional
@@ -1669,7 +1672,8 @@ def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> Non
 
     from bench.predict import bnb
 
-    with bnb.real_quantization_maps(), FakeTensorMode(), MemoryCounter(kernel_scratch=bnb.gemm_4bit_scratch) as counter:
+    scratch_of = bnb.gemm_4bit_scratch(gpus.get(gpu))
+    with bnb.real_quantization_maps(), FakeTensorMode(), MemoryCounter(kernel_scratch=scratch_of) as counter:
         packed, state = functional.quantize_4bit(torch.empty(1024, 512, dtype=torch.bfloat16), compress_statistics=True,
                                                  quant_type="nf4")
         hidden = torch.empty(rows, 512, dtype=torch.bfloat16)
@@ -1677,7 +1681,7 @@ def test_the_4bit_matmul_counts_the_scratch_of_its_cuda_kernel(rows: int) -> Non
         counter.enter("s/forward")
         out = bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
         assert out.shape == (rows, 1024) and counter.live_bytes == before + rows * 1024 * 2
-    scratch = 2 * (1024 * 512 // 64) * 4 + 1024 * 512 * 2 if rows > 512 else 0  # absmax fp32 twice, the weight
+    scratch = 2 * (1024 * 512 // 64) * 4 + 1024 * 512 * 2 if dequantizes else 0  # absmax fp32 twice, the weight
     assert counter.phase_peaks["s/forward"] == before + scratch + rows * 1024 * 2
 
 

@@ -9,9 +9,13 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.predict import flops, steptime, steptime_report
+from bench import spec
+from bench.cells import make_cell
+from bench.predict import fake, flops, steptime, steptime_report
+from bench.predict.counter import Workspaces
 from bench.predict.steptime import StepRates, StepWork
 from bench.stacks import parse_stack
+from conftest import REPO
 
 
 def test_a_view_is_dispatched_but_launches_no_kernel():
@@ -65,6 +69,48 @@ def test_an_undispatched_kernel_counts_its_tensors():
     with flops.FlopCount() as counted:
         flops.count_undispatched_kernel(tensors)
     assert (counted.work().kernels, counted.work().memory_bytes, counted.work().ops) == (1, 500, 0)
+
+
+@pytest.mark.parametrize("stack", ["baseline", "gc + lora"])
+def test_a_fake_step_counts_the_work_a_real_step_counts(stack: str) -> None:
+    """The same tiny-llama step on fake tensors and on real CPU tensors: the same FLOPs, and as many ops, kernels and
+    bytes but for transformers' check whether the batch is packed, which the fake run answers without running it
+    (bench/predict/fake.py `_packing_known`: a dozen small ops). A fake tensor's device questions, dispatched as
+    `prim.device` (thousands a step), are no work."""
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    faked = fake.counted_run(cell, Workspaces())[0].steps[-1].work
+    real = fake.counted_run(cell, Workspaces(), fake=False)[0].steps[-1].work
+    assert faked.flops == real.flops > 0
+    assert 0 <= real.ops - faked.ops <= 16 and 0 <= real.kernels - faked.kernels <= 10
+    assert 0 <= real.memory_bytes - faked.memory_bytes <= 16_384
+
+
+@pytest.mark.parametrize("rows", [4096, 16])
+def test_the_4bit_matmul_counts_the_kernels_its_cuda_path_runs(rows: int) -> None:
+    """bitsandbytes' gemm_4bit is one op with a fake kernel; on an H100 at 4096 rows CUDA runs four kernels: the
+    nested statistics to fp32 and their offset added, the weight dequantized to bf16 (memory-bound), F.linear
+    (compute-bound); at 16 rows bitsandbytes' own kernel, one, reading the packed weight (memory-bound there).
+    Sizes by hand: a 1024 x 512 weight, 8,192 statistics (one per 64 values)."""
+    import bitsandbytes
+    from bitsandbytes import functional
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import bnb, gpus
+
+    with bnb.real_quantization_maps(), FakeTensorMode():
+        packed, state = functional.quantize_4bit(torch.empty(1024, 512, dtype=torch.bfloat16), compress_statistics=True,
+                                                 quant_type="nf4")
+        hidden = torch.empty(rows, 512, dtype=torch.bfloat16)
+        with flops.FlopCount(bnb.gemm_4bit_kernels(gpus.get("h100"))) as counted:
+            bitsandbytes.matmul_4bit(hidden, packed, quant_state=state)
+    work, matmul, statistics = counted.work(), 2 * rows * 1024 * 512, 1024 * 512 // 64
+    in_out = rows * (512 + 1024) * 2
+    if rows == 4096:
+        dequantized = statistics * 5 + statistics * 8 + (1024 * 512 // 2 + statistics * 4 + 1024 * 512 * 2)
+        assert (work.flops, work.kernels, work.compute_flops, work.memory_bytes) == (matmul, 4, matmul, dequantized)
+    else:
+        own_kernel = in_out + 1024 * 512 // 2 + statistics
+        assert (work.flops, work.kernels, work.compute_flops, work.memory_bytes) == (matmul, 1, 0, own_kernel)
 
 
 RATES = StepRates(500.0, 2000.0, 3.0, 10.0, fitted_on="by hand")

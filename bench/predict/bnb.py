@@ -11,13 +11,15 @@ the scratch of its CUDA matmul.
   absmax per 256 of those, the codes, the offset) are fake tensors of the GPU's sizes
   (`quantized_weight`). The weight stays a plain Parameter holding `quant_state`: torch cannot make
   bitsandbytes' Params4bit subclass over a fake tensor, and nothing in a step asks for the subclass.
-- `bitsandbytes::gemm_4bit`'s fake kernel returns its output only. Its CUDA kernel (bitsandbytes
-  0.50, compute capability 9.0) dequantizes the whole weight into a new tensor and runs F.linear
-  whenever the matmul has more than 512 rows (tokens): for a training step's shapes, always. That
-  scratch (the dequantized weight, and with nested statistics the fp32 absmax twice) is freed when
-  the op returns; `gemm_4bit_scratch` says its sizes, and the counter allocates and frees it around
-  the op. Up to 512 rows the choice depends on the layer's shape and the GPU; the custom kernel, with
-  no scratch, is assumed there.
+- `bitsandbytes::gemm_4bit`'s fake kernel returns its output only. On CUDA (bitsandbytes 0.50.2) it
+  either dequantizes the whole weight into a new tensor and runs F.linear, or runs its own 4-bit
+  kernel. Which, bitsandbytes decides by the rows (tokens), the weight's shape, and the GPU's compute
+  capability and SM count (backends/cuda/ops.py: past 1536 rows always the first; on an H100 or H200
+  from a few dozen rows on, so for a training step's shapes): `gemm_4bit_dequantizes` asks bitsandbytes'
+  own function, told the GPU kind's. The first path's scratch (the dequantized weight, and with nested
+  statistics the fp32 absmax twice) is freed when the op returns; `gemm_4bit_scratch` says its sizes,
+  and the counter allocates and frees it around the op. Its kernels (the statistics' and the weight's
+  dequantization, the matmul) are what a step's time is predicted from (`gemm_4bit_kernels`).
 - A paged optimizer's large state buffers are CUDA managed memory: counted apart (`paged_state_apart`).
 - LLM.int8 bases (int8_lora): bench/predict/int8.py (which columns are decomposed as outliers depends
   on the values: counted beforehand on a CPU).
@@ -29,11 +31,18 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 
-from .counter import NO_SCRATCH, Scratch, rounded
+from .counter import NO_SCRATCH, KernelScratch, Scratch, rounded
 
-DEQUANT_FALLBACK_ROWS = 512  # above this many rows, CUDA's gemm_4bit dequantizes the weight (sm90)
+if TYPE_CHECKING:
+    from .flops import KernelWork
+    from .gpus import GpuKind
+
+# Without bitsandbytes' choosing function (releases before 0.50.2) or the GPU kind's SM count: more rows than this
+# dequantize, as bitsandbytes 0.50.0 chose on compute capability 9.0
+DEQUANT_FALLBACK_ROWS = 512
 
 
 @contextlib.contextmanager
@@ -176,16 +185,82 @@ GEMM_4BIT_ARGS = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias
                   "absmax_offset")  # bitsandbytes::gemm_4bit's schema
 
 
-def gemm_4bit_scratch(op: str, args: Any, kwargs: Any) -> Scratch:
-    """Bytes CUDA's gemm_4bit allocates and frees inside the op, before its output (see the module's text)."""
-    if op != "gemm_4bit":
-        return NO_SCRATCH
+def _gemm_4bit_call(args: Any, kwargs: Any) -> tuple[Any, int, int, int, bool]:
+    """(A, the weight's rows N, its columns K, how many absmax statistics it has, whether they are nested: 8-bit,
+    with fp32 statistics of their own) of a gemm_4bit call."""
     bound = {**dict(zip(GEMM_4BIT_ARGS, args, strict=False)), **kwargs}
-    a, (rows_b, cols_b), absmax_8bit = bound["A"], bound["shapeB"], bound.get("absmax_8bit")
-    if a.numel() // a.shape[-1] <= DEQUANT_FALLBACK_ROWS:
-        return NO_SCRATCH
-    dequantized_absmax = [absmax_8bit.numel() * 4] * 2 if absmax_8bit is not None else []  # fp32, then + offset
-    return Scratch(before=(*dequantized_absmax, rows_b * cols_b * a.element_size()))
+    rows_b, cols_b = bound["shapeB"]
+    nested = bound.get("absmax_8bit") is not None
+    statistics = bound["absmax_8bit"] if nested else bound["absmax"]
+    return bound["A"], int(rows_b), int(cols_b), int(statistics.numel()), nested
+
+
+def gemm_4bit_dequantizes(a: Any, out_features: int, in_features: int, gpu: GpuKind) -> bool:
+    """Whether CUDA's gemm_4bit, given A, dequantizes the weight and runs F.linear on this GPU kind (else it runs
+    bitsandbytes' own 4-bit kernel)."""
+    return _dequantizes(a.numel() // a.shape[-1], out_features, in_features, a.dtype, gpu.compute_capability,
+                        gpu.multiprocessors)
+
+
+@functools.cache
+def _dequantizes(rows: int, out_features: int, in_features: int, dtype: Any, capability: tuple[int, int],
+                 multiprocessors: int | None) -> bool:
+    """bitsandbytes' own choice (its CUDA op's: `_gemm_4bit_use_custom_fn` below `_gemm_4bit_custom_max_m` rows),
+    its device query answered with the GPU kind's SM count and compute capability."""
+    ops = _cuda_ops()
+    use_custom = getattr(ops, "_gemm_4bit_use_custom_fn", None)
+    if use_custom is None or multiprocessors is None:
+        return rows > DEQUANT_FALLBACK_ROWS
+    if rows > ops._gemm_4bit_custom_max_m:
+        return True
+    with mock.patch.object(ops, "_gpu_dispatch_props", lambda _index: (multiprocessors, *capability)):
+        return not use_custom.__wrapped__(0, dtype, rows, out_features, in_features)  # uncached: asks the patched
+
+
+def _cuda_ops() -> Any:
+    """bitsandbytes' CUDA ops module, imported on any host: under a CPU build of torch, the CUDA stream getter it
+    reads at import (and calls only when launching a kernel) is stood in for."""
+    import torch
+
+    with mock.patch.object(torch._C, "_cuda_getCurrentRawStream", None, create=True):
+        from bitsandbytes.backends.cuda import ops
+    return ops
+
+
+def gemm_4bit_scratch(gpu: GpuKind) -> KernelScratch:
+    """Bytes CUDA's gemm_4bit allocates and frees inside the op on this GPU kind, before its output (see the
+    module's text)."""
+    def scratch(op: str, args: Any, kwargs: Any) -> Scratch:
+        if op != "gemm_4bit":
+            return NO_SCRATCH
+        a, rows_b, cols_b, statistics, nested = _gemm_4bit_call(args, kwargs)
+        if not gemm_4bit_dequantizes(a, rows_b, cols_b, gpu):
+            return NO_SCRATCH
+        dequantized_absmax = [statistics * 4] * 2 if nested else []  # fp32, then + offset
+        return Scratch(before=(*dequantized_absmax, rows_b * cols_b * a.element_size()))
+    return scratch
+
+
+def gemm_4bit_kernels(gpu: GpuKind) -> KernelWork:
+    """The kernels CUDA's gemm_4bit runs on this GPU kind, each (FLOPs, bytes read and written): dequantizing, the
+    nested statistics (their 8-bit codes to fp32, then the offset added) and the weight (its packed 4 bits and
+    fp32 statistics to the input's dtype), then F.linear; or bitsandbytes' own kernel, the same matmul reading the
+    packed weight. The fake kernel is one op that counts nothing."""
+    def kernels(func: Any, args: Any, kwargs: Any) -> list[tuple[int, int]] | None:
+        if func.namespace != "bitsandbytes" or func._opname != "gemm_4bit":
+            return None
+        a, rows_b, cols_b, statistics, nested = _gemm_4bit_call(args, kwargs)
+        rows = a.numel() // a.shape[-1]
+        matmul_flops, element = 2 * rows * rows_b * cols_b, a.element_size()
+        moved = (rows * cols_b + rows * rows_b) * element  # the input read, the output written
+        packed = (rows_b * cols_b + 1) // 2
+        if not gemm_4bit_dequantizes(a, rows_b, cols_b, gpu):
+            return [(matmul_flops, moved + packed + statistics * (1 if nested else 4))]
+        # nested: the 8-bit statistics to fp32 (read 1 B, write 4), then the offset added (read 4, write 4)
+        unnested = [(0, statistics * 5), (0, statistics * 8)] if nested else []
+        weight = rows_b * cols_b * element
+        return [*unnested, (0, packed + statistics * 4 + weight), (matmul_flops, moved + weight)]
+    return kernels
 
 
 def _params4bit() -> Any:

@@ -74,7 +74,7 @@ from . import (
     zero_states,
 )
 from .counter import KernelScratch, MemoryCounter, Record, Workspaces, all_scratch, no_scratch
-from .flops import FlopCount
+from .flops import FlopCount, KernelWork, one_kernel_each
 from .gpus import GpuKind
 from .steptime import StepWork
 
@@ -90,10 +90,11 @@ AT_PEAK_COLUMNS = {  # counter role -> column of the breakdown at the peak
 }
 
 
-# Stacks whose matmuls run in kernels the dispatcher does not see (Triton's, bitsandbytes'): FLOPs not
+# Stacks whose matmuls run in kernels the dispatcher does not see (Triton's, bitsandbytes' 8-bit): FLOPs not
 # counted, so no step_tflop rather than one too low. Liger's fused loss runs its matmuls with torch, and its
 # mirror counts the two it leaves undispatched (bench/predict/liger.py); its other kernels are element-wise.
-UNCOUNTED_FLOPS = frozenset({"cce", "qlora", "int8_lora"})
+# bitsandbytes' 4-bit matmul is one op whose kernels are known (bnb.gemm_4bit_kernels).
+UNCOUNTED_FLOPS = frozenset({"cce", "int8_lora"})
 
 # Engines whose ranks the fake process group simulates (the others' cells need one GPU).
 FAKE_GROUP_ENGINES = ("fsdp", "ddp")
@@ -321,16 +322,19 @@ def _timeline(counter: MemoryCounter) -> list[dict[str, Any]]:
 
 
 def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built, float]:
-    """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces and the scratch its
+    """The cell's fake run counted for this GPU kind: with its cuBLAS workspaces, the scratch its
     kernels allocate that fake kernels do not (bitsandbytes' 4-bit matmul, the attention's backward,
-    cuSOLVER's SVD, column sums, the embedding's backward)."""
-    scratch = all_scratch(bnb.gemm_4bit_scratch, int8.kernel_scratch, attention.backward_scratch(gpu),
+    cuSOLVER's SVD, column sums, the embedding's backward), and the kernels bitsandbytes' 4-bit matmul
+    runs where the fake run sees one op."""
+    scratch = all_scratch(bnb.gemm_4bit_scratch(gpu), int8.kernel_scratch, attention.backward_scratch(gpu),
                           lowrank.svd_scratch, reduction.column_sum_scratch, embedding.backward_scratch)
-    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch)
+    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch,
+                       kernel_work=bnb.gemm_4bit_kernels(gpu))
 
 
 def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
-                kernel_scratch: KernelScratch = no_scratch) -> tuple[MemoryCounter, trainer.Built, float]:
+                kernel_scratch: KernelScratch = no_scratch,
+                kernel_work: KernelWork = one_kernel_each) -> tuple[MemoryCounter, trainer.Built, float]:
     """The cell's steps under a MemoryCounter: (counter, the build, optimizer state GiB).
     fake=False runs the same steps on real CPU tensors (the model built on the CPU under the
     counter): what the tests compare the fake run with. A GPU's workspaces and kernels' scratch are
@@ -350,7 +354,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
                 for state in bnb.quantized_state_tensors(tensor):  # a 4-bit weight's statistics
                     counter.track(state, "quant_state", role="weight")
             batches = [_counted_batch(b, lambda t: t, counter) for b in _cell_batches(cell, built)]
-            return counter, built, _steps(cell, built, batches, counter, fake=False)
+            return counter, built, _steps(cell, built, batches, counter, kernel_work, fake=False)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
@@ -366,10 +370,11 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
         built = replace(built, model=model, device="cpu", weights_gib=measure.tensor_gib(model.parameters()),
                         total_params=sum(p.numel() for p in model.parameters()))
         batches = [_counted_batch(b, mode.from_tensor, counter) for b in real_batches]
-        return counter, built, _steps(cell, built, batches, counter, fake=True)
+        return counter, built, _steps(cell, built, batches, counter, kernel_work, fake=True)
 
 
-def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter, fake: bool) -> float:
+def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter: MemoryCounter,
+           kernel_work: KernelWork, fake: bool) -> float:
     """The engine made on the built model, then the steps (STAGES); returns the optimizer state in GiB."""
     job = trainer.wrap(cell, built)
     counter.mark(job.engine.model.parameters(), "weight")  # an engine's own copies of them (FSDP2's shards)
@@ -383,7 +388,7 @@ def _steps(cell: Cell, built: trainer.Built, batches: list[data.Batch], counter:
     if not compiled.applies(cell.stack):  # its hooks, traced into a compiled layer, would recompile it per layer
         counter.watch_backward_use(job.engine.model)  # which weights ZeRO-3 would gather for backward (hybrid.py)
     for stage, batch in _stepped(cell, built, batches):
-        with compiled.collector_paused(cell.stack), FlopCount() as counted:  # what recomputation costs shows here
+        with compiled.collector_paused(cell.stack), FlopCount(kernel_work) as counted:  # what recomputation costs shows here
             job.step(batch, counter, stage)
         counter.step_done(stage, batch.input_ids.shape[-1], counted.work())
     counter.finish()

@@ -24,6 +24,9 @@ class GpuKind:
     # The budgets `bench fit --predict` searches on this card, GiB: each prediction says whether its step runs
     # within each (fits_budgets_json), since running within one does not promise running within a larger one
     budgets_gib: tuple[float, ...] = ()
+    # Streaming multiprocessors, as torch's device properties count them (multi_processor_count): kernels whose
+    # choice of path depends on how many waves a shape makes ask it (bitsandbytes' 4-bit matmul: bnb.py)
+    multiprocessors: int | None = None
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -36,13 +39,13 @@ class GpuKind:
 GPUS = {g.key: g for g in (
     # gpu_memory_gib of the published H100 runs; outside torch: the median over the 56 ok cells of
     # llama3b-h100-20261122 (driver 580, CUDA 13.0, torch 2.11; 0.733 to 0.749 but for one liger cell)
-    GpuKind("h100", "NVIDIA H100 80GB HBM3", (9, 0), 79.647, 0.749),
+    GpuKind("h100", "NVIDIA H100 80GB HBM3", (9, 0), 79.647, 0.749, multiprocessors=132),
     # the published H200 run's (llama3b-h200-20261127: driver 580, CUDA 13.0, torch 2.11; 0.730 to 0.746 over
     # its 15 ok cells but for the paged optimizer's): the H100's context, within 3 MiB
-    GpuKind("h200", "NVIDIA H200", (9, 0), 140.401, 0.746),
-    GpuKind("a100", "NVIDIA A100", (8, 0)),
-    GpuKind("l40s", "NVIDIA L40S", (8, 9)),
-    GpuKind("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9)),
+    GpuKind("h200", "NVIDIA H200", (9, 0), 140.401, 0.746, multiprocessors=132),
+    GpuKind("a100", "NVIDIA A100", (8, 0), multiprocessors=108),
+    GpuKind("l40s", "NVIDIA L40S", (8, 9), multiprocessors=142),
+    GpuKind("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), multiprocessors=128),
 )}
 
 

@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/21"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/22"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -70,7 +70,12 @@ METHOD = "fake-run/21"  # bump when what a prediction counts changes (2: reserve
 # cce(impl=torch_compile) cells, unsupported before; 21: Python's cycle collector paused within each step of a
 # cell running compiled code and run after it (bench/predict/compiled.py `collector_paused`), which moves only
 # those cells, where the collector's own timing had moved them: compile + gc + liger s2048 b2 reserved 25.680 or
-# 25.662 GiB by the cells predicted before it, now 25.662)
+# 25.662 GiB by the cells predicted before it, now 25.662; 22: a step's work counted without the device questions
+# a fake tensor answers through the dispatcher, each counted as a kernel reading its tensor (Llama-3.2-3B baseline
+# s2048 b2: ops 20,319 -> 6,168, kernels 17,258 -> 3,107, memory-bound bytes 639 -> 236 GB), and bitsandbytes' 4-bit matmul
+# counted as the kernels CUDA runs for it (its FLOPs in step_tflop), chosen as bitsandbytes chooses for the GPU kind
+# (bench/predict/bnb.py): which moves the memory of qlora cells of 1,536 rows or fewer, where the 512-row rule
+# assumed bitsandbytes' own kernel and an H100 or H200 dequantizes from a few dozen rows on)
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,19 @@ def bound(work: StepWork, rates: StepRates) -> str:
     return "device" if device_ms(work, rates) >= host_ms(work, rates) else "host"
 
 
+# The fake run's count of a step's work changed at fake-run/22: the device questions a fake tensor answers through
+# the dispatcher, two thirds of the ops and four fifths of the kernels counted before, are no longer counted
+# (bench/predict/flops.py). Rates are fitted to counts of this method on; an older row's counts are not theirs.
+WORK_COUNTED_SINCE = 22
+
+
 def work_of(row: Mapping[str, Any]) -> StepWork | None:
     """A prediction row's work (its step_* columns), None where it has none (an older method's, a stack
     whose kernels the fake run cannot count)."""
+    method = row.get("prediction_method")
+    if not _missing(method) and str(method).startswith("fake-run/") and \
+            int(str(method).removeprefix("fake-run/")) < WORK_COUNTED_SINCE:
+        return None
     values: list[Any] = [row.get(c)
                          for c in ("step_tflop", "step_ops", "step_kernels", "step_compute_tflop", "step_memory_gb")]
     if any(_missing(v) for v in values):
@@ -157,30 +167,7 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # outputs, and many element-wise kernels of a layer find theirs in the 50 MB L2 cache, so the fitted bandwidth
 # exceeds an H100's 3.35 TB/s of HBM; the matmul rate is the dense bf16 peak's (989 TFLOP/s) share the
 # compute-bound kernels reached. Fitted under the releases the GPU ran (torch 2.11.0, transformers 5.17.0).
-RATES: dict[str, StepRates] = {
-    "h100": StepRates(797.5, 5896.2, 0.311, 5.468,
-                      "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
-                      "llama3b-predicted-h100-torch211-20261129c)",
-                      "median 2.8% off, -11.3% to +10.1%", cells=52,
-                      host_factors=(("gc", 1.2), ("lora", 0.8)),
-                      optimizer_8bit_ps=29.03, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 2.9% off, -4.3% to +3.3%"),
-    # seq 2048, batch 2 but for one cell at batch 4 (the H200's runs so far). Its own host side since 2026-11-29's
-    # window: 5 of its cells are host-bound (DoRA, gc + DoRA, gc + LoRA, grad_accum, LoRA with bf16 adapters); its
-    # host is another machine than the H100's (6.7 µs an op vs 5.5). Its bandwidth over the H100's, 1.43 (the two
-    # cards' HBM: 4.8 / 3.35 TB/s, 1.43). The H100's rates predict these 29 cells median 5.6% off, -28.3% to +19.6%
-    # (gc + DoRA the most, eager attention next). The 8-bit optimizer's rate a parameter is the H100's within 2.2%,
-    # though the H200 moves bytes 1.43 times as fast: that step is not bandwidth-bound.
-    "h200": StepRates(707.5, 8457.4, 0.846, 6.701,
-                      "29 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
-                      "llama3b-predicted-h100-torch211-20261129d, llama3b-predicted-h200-torch211-20261129d, "
-                      "playbook-predicted-h200-torch211-20261129d), seq 2048, batch 2 and 4; its own host side, "
-                      "fitted once gc + DoRA and gc + LoRA set the pace",
-                      "median 2.5% off, -14.5% to +5.1%", cells=25,
-                      host_factors=(("dora", 1.1), ("gc", 1.3), ("lora", 0.85)),
-                      optimizer_8bit_ps=29.66, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 4.7% off, -9.8% to +9.1%"),
-}
+RATES: dict[str, StepRates] = {}  # refitted to fake-run/22's counts once they are predicted (WORK_COUNTED_SINCE)
 
 
 # Stack techniques whose time the model does not see: host-device copies (offload), kernels dispatched
