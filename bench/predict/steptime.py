@@ -169,7 +169,7 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # 2.11.0, transformers 5.17.0) to fake-run/22's counts (WORK_COUNTED_SINCE). The counts before, inflated by a fake
 # tensor's device questions (bench/predict/flops.py), had fitted 798 and 708 TFLOP/s, 5,896 and 8,457 GB/s (above
 # the HBM's: the phantom bytes), 0.31 and 0.85 µs a kernel, 5.5 and 6.7 µs an op, with larger host factors (gc x 1.2
-# and 1.3, LoRA x 0.8 and 0.85); each cell left out was then predicted median 2.8% (H100) and 2.4% (H200) off, now
+# and 1.3, LoRA x 0.8 and 0.85); each cell left out was then predicted median 2.8% (H100) and 2.5% (H200) off, now
 # 2.6% and 4.5%: the device questions, one per tensor an op or the autograd engine touches, had stood for host time
 # that the ops alone do not show. The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq
 # 1024): its bandwidth and kernel gap trade off against each other there.
