@@ -368,6 +368,17 @@ def test_the_fake_run_allocates_what_flash_attentions_backward_allocates_on_cuda
     assert _flash_backward_peak("fake") == pytest.approx(_flash_backward_peak("cuda"), abs=64 * 1024)
 
 
+def test_this_gpus_kind_has_its_sm_count() -> None:
+    """bench/predict/gpus.py's SM counts are the datasheets'; on a GPU of a known kind, torch's count is the same."""
+    from bench.predict import gpus
+
+    this = _this_gpu()
+    kind = next((g for g in gpus.GPUS.values() if g.name == this.name), None)
+    if kind is None:
+        pytest.skip(f"{this.name} is not a GPU kind of bench/predict/gpus.py")
+    assert (kind.compute_capability, kind.multiprocessors) == (this.compute_capability, this.multiprocessors)
+
+
 @pytest.mark.parametrize("rows", [4096, 256, 16])
 def test_the_fake_run_allocates_what_the_4bit_matmul_allocates_on_cuda(rows: int) -> None:
     """bench/predict/bnb.py's scratch of bitsandbytes' gemm_4bit (dequantized weight and statistics,

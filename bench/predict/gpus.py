@@ -24,8 +24,8 @@ class GpuKind:
     # The budgets `bench fit --predict` searches on this card, GiB: each prediction says whether its step runs
     # within each (fits_budgets_json), since running within one does not promise running within a larger one
     budgets_gib: tuple[float, ...] = ()
-    # Streaming multiprocessors, as torch's device properties count them (multi_processor_count): kernels whose
-    # choice of path depends on how many waves a shape makes ask it (bitsandbytes' 4-bit matmul: bnb.py)
+    # Streaming multiprocessors (the datasheet's; torch's multi_processor_count on the GPU, a GPU test checks): kernels
+    # whose choice of path depends on how many waves a shape makes ask it (bitsandbytes' 4-bit matmul: bnb.py)
     multiprocessors: int | None = None
 
     @property
