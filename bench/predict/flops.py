@@ -85,7 +85,7 @@ def count_undispatched_matmul(rows: int, inner: int, cols: int) -> None:
     """A (rows x inner) @ (inner x cols) matmul a mirror of a GPU path stands for without dispatching it
     (its output written in place on the GPU: bench/predict/liger.py), added to the FlopCount running."""
     for mode in _running():
-        mode._kernel(2 * rows * inner * cols, 0)  # compute-bound
+        mode.add_kernel(2 * rows * inner * cols, 0)  # compute-bound
 
 
 def count_undispatched_call(*args: Any, **kwargs: Any) -> None:
@@ -100,7 +100,7 @@ def count_undispatched_kernel(tensors: list[Any]) -> None:
     """A kernel the dispatcher does not see (a Triton launch: bench/predict/triton_launch.py), added to the
     FlopCount running as one memory-bound kernel reading or writing each of its tensors once."""
     for mode in _running():
-        mode._kernel(0, sum(_nbytes(t) for t in tensors))
+        mode.add_kernel(0, sum(_nbytes(t) for t in tensors))
 
 
 def _nbytes(tensor: Any) -> int:
@@ -162,16 +162,16 @@ class FlopCount(TorchDispatchMode):
         known = self.kernel_work(func, args, kwargs)
         if known is not None:
             for flops, moved in known:
-                self._kernel(flops, moved)
+                self.add_kernel(flops, moved)
             return out
         flops = self._op_flops(func, args, kwargs, out)
         if not func.is_view and func._opname not in NO_KERNEL_OPS:
-            self._kernel(flops, sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out))
+            self.add_kernel(flops, sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out))
         else:
             self.flops += flops
         return out
 
-    def _kernel(self, flops: int, moved: int) -> None:
+    def add_kernel(self, flops: int, moved: int) -> None:
         """One kernel doing `flops` and reading and writing `moved` bytes, sorted by the roofline."""
         self.flops += flops
         self.kernels += 1
