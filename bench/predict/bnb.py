@@ -219,9 +219,12 @@ def _dequantizes(rows: int, out_features: int, in_features: int, dtype: Any, cap
 
 def _cuda_ops() -> Any:
     """bitsandbytes' CUDA ops module, imported on any host: under a CPU build of torch, the CUDA stream getter it
-    reads at import (and calls only when launching a kernel) is stood in for."""
+    reads at import (and calls only when launching a kernel, which a CPU build never does) is stood in for."""
     import torch
 
+    if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a CUDA build: the module as its kernels use it
+        from bitsandbytes.backends.cuda import ops
+        return ops
     with mock.patch.object(torch._C, "_cuda_getCurrentRawStream", None, create=True):
         from bitsandbytes.backends.cuda import ops
     return ops

@@ -74,8 +74,8 @@ METHOD = "fake-run/22"  # bump when what a prediction counts changes (2: reserve
 # a fake tensor answers through the dispatcher, each counted as a kernel reading its tensor (Llama-3.2-3B baseline
 # s2048 b2: ops 20,319 -> 6,168, kernels 17,258 -> 3,107, memory-bound bytes 639 -> 236 GB), and bitsandbytes' 4-bit matmul
 # counted as the kernels CUDA runs for it (its FLOPs in step_tflop), chosen as bitsandbytes chooses for the GPU kind
-# (bench/predict/bnb.py): which moves the memory of qlora cells of 1,536 rows or fewer, where the 512-row rule
-# assumed bitsandbytes' own kernel and an H100 or H200 dequantizes from a few dozen rows on)
+# (bench/predict/bnb.py): which moves the memory of qlora cells of 512 rows or fewer, where the old 512-row rule
+# assumed bitsandbytes' own kernel and an H100 or H200 dequantizes from a few dozen rows on (no published cell))
 
 
 @dataclass(frozen=True)
