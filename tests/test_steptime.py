@@ -161,6 +161,7 @@ def test_a_stack_the_model_does_not_time_has_no_step_time():
         gc = parse_stack("gc")
         assert steptime.predicted_ms(row, "h100", gc, 1) == pytest.approx(200.0 + 250.0 + 60.0)
         assert steptime.predicted_ms(row, "h100", parse_stack("zero3"), 1) is None
+        assert "bitsandbytes' 4-bit path" in str(steptime.untimed_reason(parse_stack("qlora + gc"), 1))
         assert steptime.predicted_ms(row, "h100", parse_stack("fsdp"), 2) is None
         assert steptime.predicted_ms(row, "a100", gc, 1) is None  # no rates for the kind
         assert steptime.predicted_ms({**row, "step_ops": pd.NA}, "h100", gc, 1) is None
