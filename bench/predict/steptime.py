@@ -198,7 +198,8 @@ RATES: dict[str, StepRates] = {
 # bench/predict/bnb.py) but its time is not what it says: on the H200 at seq 2048 batch 2, qlora took 296.4 ms and
 # qlora + gc 493.9 where the rates say 240.5 and 377.7 (-19%, -24%; lora and gc + lora, the same work but for the
 # dequantization, 257.8 and 393.4 measured), though dequantizing every weight once a forward and once a backward
-# moves some 14 GB, 4 ms at the fitted bandwidth: bitsandbytes' 4-bit path costs where its bytes do not say.
+# (and once more in gc's recompute) moves some 14 GB (21), 4 ms (7) at the fitted bandwidth, where the steps take
+# 39 ms (100) longer than LoRA's: bitsandbytes' 4-bit path costs where its bytes do not say.
 POLICY_GC = "selective_gc(ops=matmuls)"
 UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3",
                      "torchao_adamw", POLICY_GC})
