@@ -1809,6 +1809,58 @@ def test_liger_counts_the_matmuls_of_its_fused_loss() -> None:
         assert fused["step_tflop"] == plain["step_tflop"] > 0, stack
 
 
+def test_an_undispatched_matmul_counts_as_the_op_it_stands_for() -> None:
+    """A matmul a mirror writes in place without dispatching it (Liger's logits, its weight gradient's sum) counts
+    what torch's op counts: one op, one kernel, its FLOPs and its bytes (the output read too where it is summed
+    into), sorted by the roofline. Before fake-run/23 it counted its FLOPs alone, as compute-bound: a chunk of
+    rows against a wide output is memory-bound."""
+    import torch
+
+    from bench.predict import flops as flop_count
+
+    for rows, inner, cols in ((128, 3072, 32_768), (4096, 4096, 4096)):  # Liger's chunk's shape; a square one
+        a, b, summed = (torch.empty(shape, dtype=torch.bfloat16, device="meta")
+                        for shape in ((rows, inner), (inner, cols), (rows, cols)))
+        for accumulate in (False, True):
+            with flop_count.FlopCount() as dispatched:
+                torch.addmm(summed, a, b) if accumulate else torch.mm(a, b)
+            with flop_count.FlopCount() as mirrored:
+                flop_count.count_undispatched_matmul(a, b, summed, accumulate=accumulate)
+            assert mirrored.work() == dispatched.work(), (rows, accumulate)
+            assert (mirrored.work().compute_flops == 0) == (rows == 128)
+
+
+def test_ligers_fused_loss_counts_its_chunks_work_as_a_gpu_runs_it() -> None:
+    """The fused loss's forward at Llama-3.2-3B's shapes (seq 2048 batch 2: 4,096 tokens, hidden 3,072, vocab
+    128,256, bf16; on fake tensors, nothing computed): 32 chunks of 128 rows, each the logits' matmul, the
+    cross-entropy kernel, the input's and the weight's gradients' matmuls, every one memory-bound: each matmul
+    reads the whole output layer (0.79 GB), the weight's gradient read and written besides; the kernel reads the
+    logits twice and writes them once. The step's other 3 TFLOP of the output layer stay compute-bound without
+    Liger, where its matmuls run once over all 4,096 rows."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import flops as flop_count
+    from bench.predict import liger as liger_predict
+
+    tokens, hidden, vocab, chunks = 4096, 3072, 128_256, 32
+    with FakeTensorMode():
+        x = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.empty(tokens, dtype=torch.long)
+        with torch.no_grad(), flop_count.FlopCount() as counted:  # as in an autograd Function's forward
+            liger_predict._flce_forward_cuda_path(x, weight, target)
+    layer, chunk_logits, chunk_rows = vocab * hidden * 2, 128 * vocab * 2, 128 * hidden * 2
+    per_chunk = ((chunk_rows + layer + chunk_logits)  # the logits
+                 + 3 * chunk_logits + 128 * 8 + 128 * 4  # the kernel: logits, targets, losses
+                 + (chunk_logits + layer + chunk_rows)  # the input's gradient
+                 + (chunk_logits + chunk_rows + 2 * layer))  # the weight's, summed into
+    assert counted.compute_flops == 0
+    assert counted.flops == chunks * 3 * 2 * 128 * hidden * vocab
+    zeroed = 2 * (layer + tokens * hidden * 2)  # the gradients' buffers zeroed (read and written, as any in-place op)
+    assert counted.memory_bytes == pytest.approx(chunks * per_chunk + zeroed, rel=0.001)  # and a few small ops
+
+
 def test_attention_on_a_cpu_counts_the_flops_of_the_gpus_attention() -> None:
     """The fake run's sdpa dispatches to flash attention for the CPU, which torch's FLOP registry has a formula
     for only from 2.15 on (before the fix, torch 2.11 and 2.13 counted no attention: Llama-3.2-3B baseline at

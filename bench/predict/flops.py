@@ -81,11 +81,17 @@ def _running() -> list[FlopCount]:
     return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, FlopCount)]
 
 
-def count_undispatched_matmul(rows: int, inner: int, cols: int) -> None:
-    """A (rows x inner) @ (inner x cols) matmul a mirror of a GPU path stands for without dispatching it
-    (its output written in place on the GPU: bench/predict/liger.py), added to the FlopCount running."""
+def count_undispatched_matmul(a: Any, b: Any, out: Any, accumulate: bool = False) -> None:
+    """`out = a @ b` (or `out += a @ b`, `accumulate`), a matmul a mirror of a GPU path stands for without
+    dispatching it (its output written in place on the GPU: bench/predict/liger.py), added to the FlopCount
+    running as torch's own op would be: its FLOPs, and the bytes it reads and writes (`out` read too when
+    accumulated), sorted by the roofline. A skinny matmul into a large output is memory-bound: Liger's chunk of
+    128 rows by a 128,256-token vocabulary writes its logits and reads the whole output layer for 100 GFLOP."""
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    moved = _nbytes(a) + _nbytes(b) + _nbytes(out) * (2 if accumulate else 1)
     for mode in _running():
-        mode.add_kernel(2 * rows * inner * cols, 0)  # compute-bound
+        mode.ops += 1  # the GPU path dispatches it (torch.mm or addmm with out=): the host's time
+        mode.add_kernel(flops, moved)
 
 
 def count_undispatched_call(*args: Any, **kwargs: Any) -> None:

@@ -14,6 +14,12 @@ other wrappers' device branches size scratch buffers only: RMSNorm's backward ke
 fp32 partial weight gradient, one row on a CPU and 132 on an H100 (1.5 MiB at hidden 3072), freed
 at once.
 
+Its work, for the step's time (bench/predict/flops.py): the Triton kernels each read or write their
+tensors once (bench/predict/triton_launch.py), but the cross-entropy kernel, which the mirror counts as it
+runs (the logits read twice, written once), and the two matmuls the mirror writes in place, counted with
+their bytes: a chunk's matmuls are memory-bound (fake-run/23; before, counted by their FLOPs alone, which
+put Llama-3.2-3B's `liger` at seq 2048 batch 2 on the H100 13.5% short of its measured 196.9 ms).
+
 Data-dependent: the forward counts the labels that are not ignored (`.item()`), which scales the
 loss and gradients but no allocation. Fake tensors hold no values, so the count is the token count.
 """
@@ -136,9 +142,13 @@ def _flce_forward_cuda_path(_input: Any, weight: Any, target: Any, ce_weight: An
         # the kernel overwrites the logits with their gradient, in place
         if logits_storage is not None:  # written by an mm(out=) there, which allocates nothing here either
             grad_logits = logits_storage[:len(input_chunk)]
-            flops.count_undispatched_matmul(len(input_chunk), _input.shape[1], vocab)
+            flops.count_undispatched_matmul(input_chunk, weight.t(), grad_logits)
         else:
             grad_logits = input_chunk @ weight.t()
+        # Liger's cross-entropy kernel: reads the logits twice (their max and sum, then each one's gradient),
+        # writes the gradient over them, reads the chunk's targets and writes its losses
+        flops.count_undispatched_kernel([grad_logits] * 3 + [target[start:start + chunk_size],
+                                                             loss_1d[start:start + chunk_size]])
         if input_requires_grad:
             if mm_out:
                 torch.mm(grad_logits, weight, out=grad_input[start:start + chunk_size])
@@ -162,9 +172,8 @@ def _accumulate_weight_grad(grad_weight: Any, grad_logits: Any, input_chunk: Any
 
     half = grad_logits.dtype in (torch.float16, torch.bfloat16)
     if half and grad_weight.dtype in (torch.float32, grad_logits.dtype):
-        if input_chunk.dtype != grad_logits.dtype:
-            input_chunk.to(grad_logits.dtype)  # a temporary, freed after the in-place addmm
-        flops.count_undispatched_matmul(grad_logits.shape[1], grad_logits.shape[0], input_chunk.shape[1])
+        operand = input_chunk.to(grad_logits.dtype)  # a temporary where the dtypes differ, freed after the addmm
+        flops.count_undispatched_matmul(grad_logits.t(), operand, grad_weight, accumulate=True)
         return
     grad_weight += torch.mm(grad_logits.t(), input_chunk).float()
 

@@ -113,14 +113,14 @@ def bound(work: StepWork, rates: StepRates) -> str:
 # the dispatcher, two thirds of the ops and four fifths of the kernels counted before, are no longer counted
 # (bench/predict/flops.py). Rates are fitted to counts of this method on; an older row's counts are not theirs.
 WORK_COUNTED_SINCE = 22
+# And a technique's work counted as now only since a later method: Liger's fused loss, its matmuls' bytes (fake-run/23).
+TECHNIQUE_WORK_COUNTED_SINCE = {"liger": 23}
 
 
 def work_of(row: Mapping[str, Any]) -> StepWork | None:
     """A prediction row's work (its step_* columns), None where it has none (an older method's, a stack
     whose kernels the fake run cannot count)."""
-    method = row.get("prediction_method")
-    if not _missing(method) and str(method).startswith("fake-run/") and \
-            int(str(method).removeprefix("fake-run/")) < WORK_COUNTED_SINCE:
+    if _method_before(row, WORK_COUNTED_SINCE):
         return None
     values: list[Any] = [row.get(c)
                          for c in ("step_tflop", "step_ops", "step_kernels", "step_compute_tflop", "step_memory_gb")]
@@ -130,11 +130,19 @@ def work_of(row: Mapping[str, Any]) -> StepWork | None:
     return StepWork(round(tflop * 1e12), round(ops), round(kernels), round(compute_tflop * 1e12), round(memory_gb * 1e9))
 
 
+def _method_before(row: Mapping[str, Any], version: int) -> bool:
+    """Whether a prediction row was made by the fake run before fake-run/`version`."""
+    method = row.get("prediction_method")
+    return not _missing(method) and str(method).startswith("fake-run/") and \
+        int(str(method).removeprefix("fake-run/")) < version
+
+
 def cell_work(row: Mapping[str, Any], stack: Stack) -> StepWork | None:
     """A prediction row's work with what its stack adds beyond the counted kernels: its techniques with a host
     factor, and the trainable parameters (the row's `trainable_params`) a bitsandbytes 8-bit optimizer steps."""
     work = work_of(row)
-    if work is None:
+    if work is None or any(_method_before(row, since) for name, since in TECHNIQUE_WORK_COUNTED_SINCE.items()
+                           if name in stack.names):
         return None
     names = set(_timing_names(stack))
     work = replace(work, host_techniques=frozenset(names & HOST_FACTOR_TECHNIQUES))
