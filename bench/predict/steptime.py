@@ -174,28 +174,32 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # here gets no predicted step time. Effective rates, not the datasheet's: the matmul rate is the dense bf16 peak's
 # (989 TFLOP/s) share the compute-bound kernels reached; the bandwidth, what memory-bound kernels reached of the HBM's
 # 3.35 (H100) and 4.8 TB/s (H200); a kernel's gap, its launch and tail. Fitted under the releases the GPU ran (torch
-# 2.11.0, transformers 5.17.0) to fake-run/22's counts (WORK_COUNTED_SINCE). The counts before, inflated by a fake
-# tensor's device questions (bench/predict/flops.py), had fitted 798 and 708 TFLOP/s, 5,896 and 8,457 GB/s (above
-# the HBM's: the phantom bytes), 0.31 and 0.85 µs a kernel, 5.5 and 6.7 µs an op, with larger host factors (gc x 1.2
-# and 1.3, LoRA x 0.8 and 0.85); each cell left out was then predicted median 2.8% (H100) and 2.5% (H200) off, now
-# 2.6% and 4.5%: the device questions, one per tensor an op or the autograd engine touches, had stood for host time
-# that the ops alone do not show. The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq
-# 1024): its bandwidth and kernel gap trade off against each other there.
+# 2.11.0, transformers 5.17.0) to fake-run/22's counts (WORK_COUNTED_SINCE; Liger's, fake-run/23's). The counts before,
+# inflated by a fake tensor's device questions (bench/predict/flops.py), had fitted 798 and 708 TFLOP/s, 5,896 and
+# 8,457 GB/s (above the HBM's: the phantom bytes), 0.31 and 0.85 µs a kernel, 5.5 and 6.7 µs an op, with larger host
+# factors (gc x 1.2 and 1.3, LoRA x 0.8 and 0.85); each cell left out was then predicted median 2.8% (H100) and 2.5%
+# (H200) off. With fake-run/22's counts and Liger's fused loss counted by FLOPs alone (its chunks' matmuls are
+# memory-bound), 724 and 646 TFLOP/s, 2,689 and 3,166 GB/s, 5.8 and 0.64 µs, 14.8 and 19.4 µs; left out 2.6% and 4.5%
+# (-18.3% to +12.5%, -14.2% to +21.4%: Liger's cells the short tail). Now 1.9% and 3.1%. The H200's rates are its 32
+# cells' at seq 2048 batch 2 (one at batch 4, one at seq 1024), fitted from the H100's: its bandwidth and kernel gap
+# trade off against each other there.
 RATES: dict[str, StepRates] = {
-    "h100": StepRates(723.7, 2689.0, 5.799, 14.808,
+    "h100": StepRates(773.8, 2417.2, 3.133, 15.440,
                       "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
-                      "llama3b-predicted-h100-torch211-20261130f)",
-                      "median 2.6% off, -18.3% to +12.5%", cells=52,
-                      host_factors=(("gc", 1.05), ("lora", 1.0)),
-                      optimizer_8bit_ps=31.52, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 5.4% off, -8.6% to +5.8%"),
-    "h200": StepRates(646.2, 3165.9, 0.636, 19.410,
+                      "axolotl3b-predicted-h100-torch211-20261130s, llama3b-predicted-h100-torch211-20261130f, "
+                      "llama3b-predicted-h100-torch211-20261130u, playbook-predicted-h100-torch211-20261130s)",
+                      "median 1.9% off, -12.0% to +12.5%", cells=52,
+                      host_factors=(("gc", 1.1), ("lora", 0.95)),
+                      optimizer_8bit_ps=32.15, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 3.0% off, -4.3% to +3.5%"),
+    "h200": StepRates(691.0, 3269.3, 4.181, 17.376,
                       "32 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
-                      "llama3b-predicted-h200-torch211-20261130h)",
-                      "median 4.5% off, -14.2% to +21.4%", cells=28,
-                      host_factors=(("dora", 1.2), ("gc", 1.05), ("lora", 1.0)),
-                      optimizer_8bit_ps=33.27, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 6.3% off, -14.4% to +10.9%"),
+                      "llama3b-predicted-h200-torch211-20261130h, llama3b-predicted-h200-torch211-20261130u, "
+                      "playbook-predicted-h200-torch211-20261130s)",
+                      "median 3.1% off, -14.0% to +10.8%", cells=28,
+                      host_factors=(("dora", 1.3), ("gc", 1.1), ("lora", 1.1)),
+                      optimizer_8bit_ps=32.31, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 5.2% off, -11.7% to +9.7%"),
 }
 
 
