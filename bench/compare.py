@@ -14,6 +14,11 @@ same cell run under two version sets pairs up.
   (`--repeats`), else of its step times within the run (n = measured steps); a drop regresses
   when it exceeds z (default 3) x their root-sum-square, and never less than tps_floor (default 3%),
   because run-to-run drift (clocks, other tenants) exceeds what one run's step spread shows.
+- A prediction's step time is deterministic: two predictions are gated on the step time their counted work
+  comes to at today's rates for the GPU kind (bench/predict/steptime.py), both sides at the same rates, so
+  what moves it is the work a release dispatches (more ops, kernels, bytes, FLOPs), not a refit; it regresses
+  when it grows by more than step_rel (default 2%). Cells the model does not time, or whose work either side
+  did not count as now, are not gated on it.
 - Status: ok -> anything else is a regression; anything else -> ok is an improvement.
 """
 
@@ -35,6 +40,7 @@ class Gate:
     mem_abs_gib: float = 0.25
     tps_z: float = 3.0
     tps_floor: float = 0.03
+    step_rel: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class CellDiff:
     base_tokens_per_s: float | None
     cand_tokens_per_s: float | None
     tps_band: float | None  # relative drop allowed for this cell
+    base_step_ms: float | None  # predictions: the step time predicted from the counted work, at today's rates
+    cand_step_ms: float | None
     verdict: str  # regression | improvement | same | missing
     why: str
 
@@ -90,9 +98,9 @@ def _diff(b: dict[str, Any], c: dict[str, Any] | None, columns: tuple[str, ...],
     peaks = tuple(PeakDiff(col, _val(b, col), None if c is None else _val(c, col)) for col in columns)
     if c is None:
         return CellDiff(b["cell_id"], b["status"], "", peaks, _val(b, "tokens_per_s"), None, None,
-                        "missing", "not in the candidate run")
-    diff = CellDiff(b["cell_id"], b["status"], c["status"], peaks,
-                    _val(b, "tokens_per_s"), _val(c, "tokens_per_s"), _tps_band(b, c, gate), "same", "")
+                        predicted_step_ms(b), None, "missing", "not in the candidate run")
+    diff = CellDiff(b["cell_id"], b["status"], c["status"], peaks, _val(b, "tokens_per_s"), _val(c, "tokens_per_s"),
+                    _tps_band(b, c, gate), predicted_step_ms(b), predicted_step_ms(c), "same", "")
     if b["status"] == "ok" and c["status"] != "ok":
         return _with(diff, "regression", f"was ok, now {c['status']}{_phase(c)}")
     if b["status"] != "ok" and c["status"] == "ok":
@@ -100,7 +108,7 @@ def _diff(b: dict[str, Any], c: dict[str, Any] | None, columns: tuple[str, ...],
     if b["status"] != "ok":
         return diff
     reasons = [r for peak in diff.peaks for r in _memory_reasons(peak, len(diff.peaks) > 1, gate)]
-    reasons += _speed_reasons(diff)
+    reasons += _speed_reasons(diff) + _step_time_reasons(diff, gate)
     bad = [why for kind, why in reasons if kind == "regression"]
     good = [why for kind, why in reasons if kind == "improvement"]
     if bad:
@@ -128,6 +136,28 @@ def _speed_reasons(d: CellDiff) -> list[tuple[str, str]]:
     if change < -d.tps_band:
         return [("regression", text)]
     return [("improvement", text)] if change > d.tps_band else []
+
+
+def predicted_step_ms(row: dict[str, Any]) -> float | None:
+    """A prediction row's step time at today's rates for its GPU kind (None: a measured row, a stack or kind the
+    model does not time, work not counted as now)."""
+    from .predict import steptime
+    from .stacks import parse_stack
+
+    if _val(row, "prediction_method") is None or row.get("status") != "ok":
+        return None
+    return steptime.predicted_ms(row, str(row.get("gpu_kind", "")), parse_stack(str(row["stack"])),
+                                 int(_val(row, "gpus") or 1))
+
+
+def _step_time_reasons(d: CellDiff, gate: Gate) -> list[tuple[str, str]]:
+    if d.base_step_ms is None or d.cand_step_ms is None:
+        return []
+    change = d.cand_step_ms / d.base_step_ms - 1
+    text = f"predicted step time {change:+.1%} (allowed +{gate.step_rel:.0%})"
+    if change > gate.step_rel:
+        return [("regression", text)]
+    return [("improvement", text)] if -change > gate.step_rel else []
 
 
 def _tps_band(b: dict[str, Any], c: dict[str, Any], gate: Gate) -> float | None:
@@ -162,12 +192,15 @@ def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate
     """A report readable in a pull request: verdict, what changed between the runs, then per cell."""
     counts = {v: sum(d.verdict == v for d in diffs) for v in ("regression", "improvement", "same", "missing")}
     verdict = "FAIL" if counts["regression"] else "PASS"
-    kind = " (predictions: no GPU ran)" if "prediction_method" in base.columns else ""
+    predicted = "prediction_method" in base.columns
+    kind = " (predictions: no GPU ran)" if predicted else ""
+    speed = (f"predicted step time +{gate.step_rel:.0%} (the counted work at today's rates, both sides)" if predicted
+             else f"tokens/s -max({gate.tps_floor:.0%}, {gate.tps_z:g}σ of the step-time spread)")
     lines = [f"# Regression check{kind}: {verdict}", "",
              f"{counts['regression']} regressed, {counts['improvement']} improved, {counts['same']} unchanged, "
              f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: {_gated(diffs)} +max({gate.mem_rel:.0%}, "
-             f"{gate.mem_abs_gib} GiB); tokens/s -max({gate.tps_floor:.0%}, {gate.tps_z:g}σ of the step-time spread).",
-             "", *_versions(base, cand), "", *_table(diffs)]
+             f"{gate.mem_abs_gib} GiB); {speed}.",
+             "", *_versions(base, cand), "", *_table(diffs, predicted)]
     return "\n".join(lines) + "\n"
 
 
@@ -176,17 +209,19 @@ def _gated(diffs: list[CellDiff]) -> str:
     return "peak" if len(columns) <= 1 else "peak " + " and ".join(_name(col) for col in columns) + " each"
 
 
-def _table(diffs: list[CellDiff]) -> list[str]:
+def _table(diffs: list[CellDiff], predicted: bool) -> list[str]:
     columns = [p.column for p in diffs[0].peaks] if diffs else []
     peaks = ["peak GiB"] if len(columns) == 1 else [f"{_name(col)} GiB" for col in columns]
-    lines = [f"| cell | verdict | status | {' | '.join(peaks)} | tokens/s | why |",
+    lines = [f"| cell | verdict | status | {' | '.join(peaks)} | {'step ms (predicted)' if predicted else 'tokens/s'} "
+             "| why |",
              "|" + "---|" * (5 + len(peaks))]
     order = {"regression": 0, "improvement": 1, "missing": 2, "same": 3}
     for d in sorted(diffs, key=lambda d: (order[d.verdict], d.cell_id)):
         status = d.base_status if d.base_status == d.cand_status else f"{d.base_status} → {d.cand_status or '—'}"
         cells = [_pair(p.base_gib, p.cand_gib, ".2f") for p in d.peaks]
-        lines.append(f"| `{d.cell_id}` | {d.verdict} | {status} | {' | '.join(cells)} | "
-                     f"{_pair(d.base_tokens_per_s, d.cand_tokens_per_s, '.0f')} | {d.why} |")
+        speed = _pair(d.base_step_ms, d.cand_step_ms, ".1f") if predicted else \
+            _pair(d.base_tokens_per_s, d.cand_tokens_per_s, ".0f")
+        lines.append(f"| `{d.cell_id}` | {d.verdict} | {status} | {' | '.join(cells)} | {speed} | {d.why} |")
     return lines
 
 
