@@ -96,17 +96,23 @@ def test_unknown_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
 PUBLISHED_PREDICTION = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261123.parquet"
 
 
-def _gate_grown(tmp_path: Path, stack: str, column: str) -> tuple[int, str, str]:
-    """The CPU gate: the committed regress prediction against a copy in which one cell's `column` grew by 5%;
+# The committed baseline of `make predict-gate` since the step's work is counted (fake-run/23)
+GATE_BASELINE = REPO / "results" / "regress" / "predicted" / "regress-predicted-h100-20261130.parquet"
+
+
+def _gate_grown(tmp_path: Path, stack: str, *columns: str, growth: float = 1.05,
+                baseline: Path = PUBLISHED_PREDICTION) -> tuple[int, str, str]:
+    """The CPU gate: a committed regress prediction against a copy in which one cell's `columns` grew by `growth`;
     (exit code, report, that cell's id)."""
     from bench import results
 
-    rows = [dict(r) for r in results.read_parquet(PUBLISHED_PREDICTION, results.PREDICTED).to_dict("records")]
+    rows = [dict(r) for r in results.read_parquet(baseline, results.PREDICTED).to_dict("records")]
     cell = next(r for r in rows if r["stack"] == stack)
-    cell[column] *= 1.05
+    for column in columns:  # a count stays whole
+        cell[column] = round(cell[column] * growth) if column in ("step_ops", "step_kernels") else cell[column] * growth
     results.write_parquet(rows, tmp_path / "cand.parquet", results.PREDICTED)
     out = tmp_path / "report.md"
-    code = cli.main(["compare", str(PUBLISHED_PREDICTION), str(tmp_path / "cand.parquet"), "--out", str(out)])
+    code = cli.main(["compare", str(baseline), str(tmp_path / "cand.parquet"), "--out", str(out)])
     return code, out.read_text(), cell["cell_id"]
 
 
@@ -124,3 +130,21 @@ def test_two_predictions_are_gated_on_predicted_reserved_too(tmp_path: Path) -> 
     assert "| allocated GiB | reserved GiB |" in report
     line = next(x for x in report.splitlines() if cell_id in x)
     assert "| regression |" in line and "reserved +" in line and "+5.0%" in line and "allocated +" not in line
+
+
+WORK = ("step_tflop", "step_ops", "step_kernels", "step_compute_tflop", "step_memory_gb")
+
+
+def test_two_predictions_are_gated_on_their_predicted_step_time(tmp_path: Path) -> None:
+    """A release whose step dispatches more work (ops, kernels, bytes, FLOPs) at the same memory is slower: the
+    gate prices both sides' counted work at today's rates (deterministic, so a tight 2%) and fails past it. 5%
+    more of everything is 5% more time; 1% passes; 5% less is an improvement."""
+    code, report, cell_id = _gate_grown(tmp_path, "gc + lora", *WORK, baseline=GATE_BASELINE)
+    assert code == 1 and "predicted step time +2% (the counted work at today's rates, both sides)" in report
+    line = next(x for x in report.splitlines() if cell_id in x)
+    assert "| regression |" in line and "predicted step time +5.0%" in line and "allocated" not in line
+    assert "| step ms (predicted) |" in report
+    assert _gate_grown(tmp_path, "gc + lora", *WORK, growth=1.01, baseline=GATE_BASELINE)[0] == 0
+    code, report, cell_id = _gate_grown(tmp_path, "gc", *WORK, growth=0.95, baseline=GATE_BASELINE)
+    assert code == 0 and "| improvement |" in next(x for x in report.splitlines() if cell_id in x)
+    assert cli.main(["compare", str(GATE_BASELINE), str(GATE_BASELINE)]) == 0
