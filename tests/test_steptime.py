@@ -113,7 +113,17 @@ def test_the_4bit_matmul_counts_the_kernels_its_cuda_path_runs(rows: int) -> Non
         assert (work.flops, work.kernels, work.compute_flops, work.memory_bytes) == (matmul, 1, 0, own_kernel)
 
 
-RATES = StepRates(500.0, 2000.0, 3.0, 10.0, fitted_on="by hand")
+RATES = StepRates(500.0, 2000.0, 3.0, 10.0, fitted_on="by hand")  # the two sides combined as the larger
+MODEL = replace(RATES, overlap_p=steptime.OVERLAP_P)  # as the fit combines them
+
+
+def test_close_sides_each_wait_on_the_other():
+    """The fit's model combines the device's time and the host's as their p-norm: the larger where one dominates,
+    more where they are close (equal: 2^(1/p) of either)."""
+    assert steptime.combined(100.0, 100.0, 5.0) == pytest.approx(100 * 2 ** 0.2)
+    assert steptime.combined(100.0, 50.0, 5.0) == pytest.approx(100 * (1 + 0.5**5) ** 0.2)  # +0.6%
+    assert steptime.combined(100.0, 10.0, 5.0) == pytest.approx(100.0, rel=1e-5)
+    assert steptime.combined(100.0, 99.0, float("inf")) == 100.0 and steptime.combined(0.0, 0.0, 5.0) == 0.0
 
 
 def test_the_slower_of_device_and_host_sets_the_pace():
@@ -136,7 +146,7 @@ def _works() -> list[StepWork]:
 
 def test_the_fit_finds_the_rates_that_made_the_times():
     works = _works()
-    measured = [steptime.step_ms(w, RATES) for w in works]
+    measured = [steptime.step_ms(w, MODEL) for w in works]
     found = steptime.fit(works, measured, "synthetic")
     assert [steptime.step_ms(w, found) / m for w, m in zip(works, measured, strict=True)] == pytest.approx(
         [1.0] * len(works), abs=0.01)
@@ -145,7 +155,7 @@ def test_the_fit_finds_the_rates_that_made_the_times():
 
 def test_a_cell_left_out_is_predicted_by_the_others():
     works = _works()
-    measured = [steptime.step_ms(w, RATES) for w in works]
+    measured = [steptime.step_ms(w, MODEL) for w in works]
     measured[0] *= 1.5  # a cell the model cannot explain: in-sample the fit splits its error with the others
     left_out = steptime.left_out_errors(works, measured)
     assert left_out[0] == pytest.approx(1 / 1.5 - 1, abs=0.02)  # the others' rates say what the model would
@@ -221,7 +231,7 @@ def test_a_techniques_host_factor_is_fitted_where_host_bound_cells_show_it():
     works = _works()
     with_gc = [replace(w, host_techniques=frozenset({"gc"})) for w in works[:5]]
     with_lora = [replace(w, host_techniques=frozenset({"lora"})) for w in works[5:]]
-    made = replace(RATES, host_factors=(("gc", 1.3), ("lora", 0.75)))
+    made = replace(MODEL, host_factors=(("gc", 1.3), ("lora", 0.75)))
     cells = [*with_gc, *with_lora, *works]
     measured = [steptime.step_ms(w, made) for w in cells]
     found = steptime.fit(cells, measured, "synthetic")
@@ -241,9 +251,9 @@ def test_the_8bit_optimizers_rate_is_fitted_to_its_cells_alone():
     """bitsandbytes' 8-bit step: a rate a trainable parameter, fitted once the four are fitted to the other cells
     (which it does not move), and each of its cells left out predicted by the others."""
     works = _works()
-    measured = [steptime.step_ms(w, RATES) for w in works]
-    with_8bit = replace(RATES, optimizer_8bit_ps=30.0)
-    device_bound = [w for w in works if steptime.bound(w, RATES) == "device"]  # as the fit takes these cells
+    measured = [steptime.step_ms(w, MODEL) for w in works]
+    with_8bit = replace(MODEL, optimizer_8bit_ps=30.0)
+    device_bound = [w for w in works if steptime.bound(w, MODEL) == "device"]  # as the fit takes these cells
     eight_bit = [replace(w, optimizer_8bit_params=params) for w, params in zip(device_bound[:4], (3e9, 1e9, 8e9, 2e9),
                                                                                 strict=True)]
     eight_ms = [steptime.step_ms(w, with_8bit) for w in eight_bit]

@@ -72,6 +72,7 @@ def main() -> int:
         print(f",\n               host_factors={rates.host_factors!r}", end="")
     if not rates.host_fitted:
         print(",\n               host_fitted=False", end="")
+    print(f",\n               overlap_p={rates.overlap_p!r}", end="")
     if rates.optimizer_8bit_ps is not None:
         eight_bit = steptime.error_summary([e for w, e in zip(works, left_out, strict=True) if w.optimizer_8bit_params])
         print(f",\n               optimizer_8bit_ps={rates.optimizer_8bit_ps:.2f}, "

@@ -73,9 +73,10 @@ def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
     if lines:
         lines = ["## Step time (predicted)", "",
                  "How long a step takes, predicted from the work the fake run dispatched (bench/predict/steptime.py): "
-                 "the larger of the device's time (compute-bound FLOPs at a matmul rate, memory-bound bytes at a "
-                 "bandwidth, a gap per kernel) and the host's (a time per op dispatched, times a factor under gc, "
-                 "LoRA and DoRA), four rates and the factors a GPU kind "
+                 "the device's time (compute-bound FLOPs at a matmul rate, memory-bound bytes at a bandwidth, a gap "
+                 "per kernel) and the host's (a time per op dispatched, times a factor under gc, LoRA and DoRA), "
+                 "combined as their p-norm (the larger where one dominates, more where they are close: each waits on "
+                 "the other), four rates and the factors a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
                  "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
                  "kept by the newest prediction made before the GPU ran the cell (fake-run/14 on), at the rates of its "
@@ -95,10 +96,15 @@ def _as_predicted_then(r: pd.Series, then_ms: float | None) -> str:
     return "" if then_ms is None else f"{then_ms / r['step_ms_p50'] - 1:+.1%}"
 
 
+def _overlap(rates: steptime.StepRates) -> str:
+    return "; the larger side" if rates.overlap_p == float("inf") else f"; the sides' p-norm, p = {rates.overlap_p:g}"
+
+
 def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.Series) -> list[str]:
     return [f"### {GPUS[key].name}", "",
             f"Rates: {rates.matmul_tflops:.0f} TFLOP/s, {rates.memory_gbps:.0f} GB/s, {rates.kernel_us:.2f} µs a "
-            f"kernel, {rates.op_us:.2f} µs of host time an op{_factors(rates)}; fitted on {rates.fitted_on}.{_8bit(rates)}",
+            f"kernel, {rates.op_us:.2f} µs of host time an op{_factors(rates)}{_overlap(rates)}; fitted on "
+            f"{rates.fitted_on}.{_8bit(rates)}",
             "",
             f"{len(errors)} cells: abs error median {errors.abs().median():.1%}, max {errors.abs().max():.1%}; "
             f"left out: median {left_out.abs().median():.1%}, max {left_out.abs().max():.1%}, "
