@@ -645,3 +645,35 @@ def test_zero_cells_allocate_what_the_hybrid_prediction_says(workdir: Path) -> N
     _allocated_and_host_as_predicted(measured, predicted)
     for cell_id, row in measured.items():
         assert row["peak_reserved_gib"] == pytest.approx(predicted[cell_id]["peak_reserved_gib"], rel=0.05), cell_id
+
+
+def test_a_step_profile_records_the_measured_steps_kernels(tmp_path: Path) -> None:
+    """tools/step_profile.py on a GPU: the measured steps' kernels (the first step and the warm-up ones waited
+    out), each measured step's matmuls among them, the device busy no longer than their span; its summary reads
+    it back beside the model's sums."""
+    import gzip
+    import subprocess
+    import sys
+
+    from bench import spec
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+
+    repo = Path(__file__).resolve().parents[1]
+    smoke = spec.get(repo / "matrix.yaml", "smoke")
+    cell = make_cell(smoke, "cuda", "tiny-llama", 256, 1, parse_stack("baseline"))
+    out = tmp_path / "profile.json.gz"
+    for command in (["record", "smoke", cell.cell_id, str(out)], ["summary", "smoke", str(out)]):
+        proc = subprocess.run([sys.executable, str(repo / "tools" / "step_profile.py"), *command], cwd=repo,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    with gzip.open(out, "rt") as handle:
+        (recorded,) = json.load(handle)["cells"]
+    assert recorded["status"] == "ok" and recorded["steps"] == smoke.measure_steps
+    assert 0 < recorded["busy_us"] <= recorded["span_us"]
+    sys.path.insert(0, str(repo / "tools"))
+    import step_profile
+
+    matmuls = sum(count for name, count, _ in recorded["kernels"] if step_profile.kernel_class(name) == "matmul")
+    assert matmuls and matmuls % smoke.measure_steps == 0  # each measured step's, no other step's
+    assert "model (h100)" in proc.stdout
