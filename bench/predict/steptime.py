@@ -25,7 +25,7 @@ step the host set by far (743 ms measured, 9.6 µs an op), 28% long at the H100'
 
 Selective checkpointing's op policy (`selective_gc(ops=matmuls)`) runs every op of forward and of the
 recompute through a Python dispatch mode that asks the policy whether to save it: on the H200 its step took
-380 ms where its counted work says 237 (13.8 µs an op). One cell cannot fit a factor of its own, so it is
+380 ms where its counted work says 230 (9,920 ops: 38 µs an op). One cell cannot fit a factor of its own, so it is
 not timed (`_timing_names` gives it a name of its own, in UNTIMED).
 
 One kernel is slower than its bytes say: bitsandbytes' 8-bit optimizer step. It gets a fifth rate, device
