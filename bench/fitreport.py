@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,26 @@ def publish_predicted(summary: list[dict], predictions: list[dict], out_dir: Pat
     board.write_text(markdown_predicted(frame, results.to_frame(predictions, results.PREDICTED), gpu_name))
     plot(frame, out_dir / "plots" / f"{run_id}_max_batch.png")
     return board
+
+
+def refresh_predicted(results_dir: Path) -> list[Path]:
+    """Every published predicted frontier's board (results/*/fit/FIT-predicted.md) rendered again from the tables of
+    the run it shows, nothing searched and the tables untouched: its tokens/s are at the step time rates fitted now
+    (`step_ms_now`), so a refit of the rates reaches the boards. Returns the boards rendered."""
+    rendered = []
+    for board in sorted(results_dir.glob("*/fit/FIT-predicted.md")):
+        shown = re.search(r"run `([^`]+)`", board.read_text())
+        summary, predictions = (board.parent / f"{shown[1]}{tail}.parquet" if shown else None
+                                for tail in ("", "-predictions"))
+        if summary is None or predictions is None or not (summary.exists() and predictions.exists()):
+            continue
+        frame = results.read_parquet(predictions, results.PREDICTED)
+        gpu = gpus.GPUS.get(str(frame["gpu_kind"].iloc[0])) if len(frame) else None
+        if gpu is None:
+            continue
+        board.write_text(markdown_predicted(pd.read_parquet(summary), frame, gpu.name))
+        rendered.append(board)
+    return rendered
 
 
 def _context_unmeasured(predictions: pd.DataFrame, gpu_name: str) -> list[str]:

@@ -469,3 +469,37 @@ def test_a_boards_tokens_per_s_is_at_todays_rates_and_names_the_8bit_rate_where_
     # the step time at the rates fitted now, not the one a prediction kept when made
     kept_then = plain.assign(step_ms=1.0)
     assert fitreport.step_ms_now(kept_then) == {("m", "gc", 64, 2): steptime.predicted_ms(work, "h100", parse_stack("gc"), 1)}
+
+
+def test_a_predicted_frontiers_board_is_rendered_again_at_todays_rates(tmp_path, monkeypatch) -> None:
+    """A refit of the step time rates reaches the published boards (bench/predict/report.py publish): each
+    FIT-predicted.md is rendered again from the run it names, its tables untouched; a board whose run's tables
+    are not there is left as it is."""
+    import shutil
+    from dataclasses import replace
+    from pathlib import Path
+
+    from bench import fitreport
+    from bench.predict import steptime
+
+    published = Path(__file__).resolve().parents[1] / "results" / "fit70b" / "fit"
+    run = "fit-fit70b-predicted-h100-torch211-20261130"
+    board = tmp_path / "fit70b" / "fit" / "FIT-predicted.md"
+    board.parent.mkdir(parents=True)
+    for tail in ("", "-predictions"):
+        shutil.copy(published / f"{run}{tail}.parquet", board.parent)
+    board.write_text(f"- **Predictions, not measurements**: run `{run}`, stale\n")
+    orphan = tmp_path / "other" / "fit" / "FIT-predicted.md"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_text("run `fit-other-predicted-h100-gone`\n")
+    tables = {p.name: p.read_bytes() for p in board.parent.glob("*.parquet")}
+    assert fitreport.refresh_predicted(tmp_path) == [board]
+    now = board.read_text()
+    assert "stale" not in now and f"run `{run}`" in now and "tokens/s there (predicted)" in now
+    assert orphan.read_text() == "run `fit-other-predicted-h100-gone`\n"
+    assert {p.name: p.read_bytes() for p in board.parent.glob("*.parquet")} == tables
+    # twice the host's time an op: the board's tokens/s move with the rates
+    monkeypatch.setitem(steptime.RATES, "h100", replace(steptime.RATES["h100"], op_us=2 * steptime.RATES["h100"].op_us,
+                                                        matmul_tflops=steptime.RATES["h100"].matmul_tflops / 2))
+    fitreport.refresh_predicted(tmp_path)
+    assert board.read_text() != now

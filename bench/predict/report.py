@@ -531,9 +531,14 @@ def _signed(x: object) -> str:
 
 
 def publish(results_dir: Path) -> Path:
+    """PREDICTION.md from every published prediction and measurement, and the predicted frontiers' boards again:
+    both set step times at today's rates (bench/predict/steptime.py). Returns PREDICTION.md."""
+    from ..fitreport import refresh_predicted
+
     path = results_dir / "PREDICTION.md"
     every = every_prediction(results_dir)
     path.write_text(markdown(measured_gpu_cells(results_dir), newest(every, every_software=True), every))
+    refresh_predicted(results_dir)
     return path
 
 
