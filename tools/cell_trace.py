@@ -40,8 +40,8 @@ ENTRIES = 5_000_000  # the recorder's ring buffer: far more than a 13-step cell 
 
 
 def refuse(why: str) -> NoReturn:
-    """Bad input: says why, exit 2, nothing run."""
-    print(f"cell_trace: {why}", file=sys.stderr)
+    """Bad input: says why (named as the tool that was run), exit 2, nothing run."""
+    print(f"{Path(sys.argv[0]).stem}: {why}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -60,18 +60,27 @@ def find_cell(matrix_name: str, cell_id: str) -> Any:
     refuse(f"matrix {matrix_name} has no cell {cell_id}")
 
 
-def record(matrix_name: str, cell_id: str, out: Path) -> None:
+def one_gpu_cell(matrix_name: str, cell_id: str) -> Any:
+    """The matrix's cell of that id, to run here on one GPU, its stack's environment set (the allocator's
+    settings, say: read when CUDA first allocates); refused without a GPU or for a cell of several."""
     import torch
-    from allocator_trace import KEPT
-
-    from bench import worker
 
     if not torch.cuda.is_available():
         refuse("record needs a GPU")
     cell = find_cell(matrix_name, cell_id)
     if cell.gpus > 1:
         refuse(f"{cell_id} runs on {cell.gpus} GPUs; record takes one-GPU cells")
-    os.environ.update(cell.stack.env)  # the allocator's settings, say: read when CUDA first allocates, below
+    os.environ.update(cell.stack.env)
+    return cell
+
+
+def record(matrix_name: str, cell_id: str, out: Path) -> None:
+    import torch
+    from allocator_trace import KEPT
+
+    from bench import worker
+
+    cell = one_gpu_cell(matrix_name, cell_id)
     torch.cuda.memory._record_memory_history(context=None, max_entries=ENTRIES)  # no stacks: fast
     row = worker.run_cell(cell)
     rows = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]

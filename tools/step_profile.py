@@ -22,15 +22,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+from cell_trace import refuse  # noqa: E402
 
 # Kernel classes by name, the first that matches: cuBLAS's and CUTLASS's matmuls, attention, bitsandbytes',
 # copies and fills, ATen's own kernels; the rest are Triton's (Liger's, inductor's) and libraries' others.
@@ -40,12 +41,6 @@ CLASSES = (("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d\d_", re.I
            ("copy", re.compile(r"^Memcpy|^Memset|CatArrayBatched|copy_kernel|direct_copy")),
            ("aten", re.compile(r"at::native|at::|void \w+<")),
            ("triton and other", re.compile(r"")))
-
-
-def refuse(why: str) -> NoReturn:
-    """Bad input: says why, exit 2, nothing run."""
-    print(f"step_profile: {why}", file=sys.stderr)
-    sys.exit(2)
 
 
 def kernel_class(name: str) -> str:
@@ -64,17 +59,12 @@ def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
 
 def record(matrix_name: str, cell_id: str, out: Path) -> None:
     import torch
-    from cell_trace import find_cell
+    from cell_trace import one_gpu_cell
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from bench import measure, worker
 
-    if not torch.cuda.is_available():
-        refuse("record needs a GPU")
-    cell = find_cell(matrix_name, cell_id)
-    if cell.gpus > 1:
-        refuse(f"{cell_id} runs on {cell.gpus} GPUs; record takes one-GPU cells")
-    os.environ.update(cell.stack.env)  # the allocator's settings, say: read when CUDA first allocates, below
+    cell = one_gpu_cell(matrix_name, cell_id)
     step_done = measure.PhaseTracker.step_done
     # the profiler on the measured steps alone: it waits out the first step and the warm-up ones (at least one)
     plan = schedule(wait=cell.warmup_steps - 1, warmup=1, active=cell.measure_steps, repeat=1)
