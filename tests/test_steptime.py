@@ -323,3 +323,19 @@ def test_prediction_md_sets_each_timed_cell_beside_its_measured_step(monkeypatch
     assert "9 cells: abs error median 0.0%, max 9.1%" in "\n".join(lines)
     monkeypatch.setattr(steptime, "RATES", {"h200": RATES})
     assert steptime_report.section(pd.DataFrame(rows), before) == []  # no H200 cell measured
+
+
+@pytest.mark.parametrize("values", ["", "1", "0.5,5", "five", "5,"])
+def test_choosing_p_refuses_values_it_cannot_try(values: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """tools/choose_overlap.py: p must be a number above 1 (1 would be the sum, below it no norm); exit 2, nothing fitted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import choose_overlap
+
+    monkeypatch.setattr(sys, "argv", ["choose_overlap.py", "--p", values])
+    monkeypatch.setattr(choose_overlap.report, "checked", lambda _: pytest.fail("fitted on bad input"))
+    assert choose_overlap.main() == 2
+    assert "numbers above 1" in capsys.readouterr().err
