@@ -91,9 +91,8 @@ def step_ms(work: StepWork, rates: StepRates) -> float:
 # time, the host falling behind where an op is slow (a Python hook, a synchronising call), the device where a kernel
 # is. p = math.inf is the plain larger one. Chosen by the cells left out of the fit, one p for both GPU kinds
 # (tools/choose_overlap.py, 2026-11-30, fake-run/23's counts; the root mean square of the left-out errors, H100 /
-# H200): the larger 4.61% /
-# 5.14% (the cells near the balance up to 14% short), p = 16 4.62 / 7.06, 8 4.16 / 5.61, 6 3.58 / 5.15, 5 3.41 /
-# 4.40, 4 3.82 / 3.77 (its kernel gap fitted 0), 3 4.66 / 4.64.
+# H200): the larger 4.61% / 5.14% (the cells near the balance up to 14% short), p = 16 4.62 / 7.06, 8 4.16 / 5.61,
+# 6 3.58 / 5.15, 5 3.41 / 4.40, 4 3.82 / 3.77 (its kernel gap fitted 0), 3 4.66 / 4.64.
 OVERLAP_P = 5.0
 
 
