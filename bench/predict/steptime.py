@@ -419,11 +419,12 @@ def _refined(columns: np.ndarray, seconds: np.ndarray, rates: StepRates, fit_hos
         move[free] = np.linalg.lstsq(slopes[:, free], 1 - step / seconds, rcond=None)[0]
         for shrink in (1, 0.5, 0.25, 0.125, 0.0625):
             tried = np.where(theta > 1e-29, np.maximum(theta + shrink * move * scale, 0), theta)
-            if loss(tried) < current:
+            tried_loss = loss(tried)
+            if tried_loss < current:
                 break
         else:
             break
-        improvement, theta, current = current - loss(tried), tried, loss(tried)
+        improvement, theta, current = current - tried_loss, tried, tried_loss
         if improvement < 1e-12:
             break
     return _with_inverse(rates, theta)
