@@ -317,9 +317,11 @@ def _step_time_line(a: Answer) -> str:
     eight_bit = (f"; bitsandbytes' 8-bit optimizer step at its own rate a parameter, fitted on "
                  f"{rates.optimizer_8bit_cells} cells, each left out predicted {rates.optimizer_8bit_left_out}"
                  if work.optimizer_8bit_params else "")
-    return (f"  step time       {ms:8.0f} ms    {tokens_per_s(a, ms):,.0f} tokens/s, {steptime.bound(work, rates)}-bound: the "
-            f"step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.cells} measured cells; "
-            f"each left out of the fit was predicted {rates.left_out}{eight_bit} (results/PREDICTION.md, Step time)")
+    sides = f"device {steptime.device_ms(work, rates):.0f} ms, host {steptime.host_ms(work, rates):.0f}"
+    return (f"  step time       {ms:8.0f} ms    {tokens_per_s(a, ms):,.0f} tokens/s, {steptime.bound(work, rates)}-bound "
+            f"({sides}): the step's ops, kernels, FLOPs and bytes at this GPU kind's rates, fitted on {rates.cells} "
+            f"measured cells; each left out of the fit was predicted {rates.left_out}{eight_bit} (results/PREDICTION.md, "
+            "Step time)")
 
 
 def _paged_state_gib(p: dict[str, Any], card: gpus.GpuKind) -> float:

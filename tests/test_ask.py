@@ -473,8 +473,8 @@ def test_a_stacks_table_says_what_each_record_is_of_and_marks_a_row_none_of_its_
 
 
 def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step time (bench/predict/steptime.py) at the card's fitted rates, with tokens/s and which side sets
-    the pace; on a kind no GPU has fitted rates for, or a stack the model does not time, why there is none."""
+    """The step time (bench/predict/steptime.py) at the card's fitted rates, with tokens/s, which side sets the
+    pace and both sides' times; on a kind no GPU has fitted rates for, or a stack the model does not time, why not."""
     from bench.predict import steptime
 
     monkeypatch.setitem(steptime.RATES, "h100", steptime.StepRates(500.0, 2000.0, 0.0, 1.0, "3 cells of run r",
@@ -482,7 +482,7 @@ def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.
     work = {"peak_phase": "measure/backward", "predict_s": 1.0, "peak_reserved_gib": 12.0, "step_tflop": 10.0,
             "step_ops": 1000, "step_kernels": 800, "step_compute_tflop": 10.0, "step_memory_gb": 40.0}
     text = ask.text(_answer(**work))  # 20 ms of matmuls + 20 ms of bytes; the host's 1 ms
-    assert "step time             40 ms    1,600 tokens/s, device-bound" in text  # tiny-llama: 64 positions
+    assert "step time             40 ms    1,600 tokens/s, device-bound (device 40 ms, host 1)" in text  # 64 positions
     assert "fitted on 3 measured cells; each left out of the fit was predicted median 1.0% off" in text
     unfitted = gpus.GpuKind("x", "a card no GPU run has fitted", (8, 9), memory_gib=24.0)
     assert "step time       not predicted: no a card no GPU run has fitted has measured steps" in ask.text(
@@ -501,5 +501,5 @@ def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.
         steptime.RATES["h100"], optimizer_8bit_ps=20.0, optimizer_8bit_cells=4,
         optimizer_8bit_left_out="median 3.0% off, -4.0% to +3.0%"))
     text = ask.text(eight_bit)  # + 10^9 parameters x 20 ps
-    assert "step time             60 ms    1,067 tokens/s, device-bound" in text
+    assert "step time             60 ms    1,067 tokens/s, device-bound (device 60 ms, host 1)" in text
     assert "8-bit optimizer step at its own rate a parameter, fitted on 4 cells, each left out predicted median 3.0%" in text
