@@ -320,6 +320,8 @@ def test_prediction_md_sets_each_timed_cell_beside_its_measured_step(monkeypatch
     assert len(table) == len(works)
     assert table[0].split(" | ")[6] == "-9.1%"  # 1 / 1.1 - 1: the rates made the other times exactly
     assert table[1].split(" | ")[8] == "+25.0%" and table[0].split(" | ")[8] == ""
+    device, host = steptime.device_ms(works[0], RATES), steptime.host_ms(works[0], RATES)
+    assert table[0].split(" | ")[9] == f"{device:.0f} / {host:.0f}"  # the two sums the step combines
     assert "9 cells: abs error median 0.0%, max 9.1%" in "\n".join(lines)
     monkeypatch.setattr(steptime, "RATES", {"h200": RATES})
     assert steptime_report.section(pd.DataFrame(rows), before) == []  # no H200 cell measured

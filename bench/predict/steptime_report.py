@@ -68,6 +68,7 @@ def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
             lines.append(f"| `{r['cell_id']}` | {code_cell(r['stack'])} | {r['seq_len']} | {r['batch_size']} | "
                          f"{r['step_ms_p50']:.1f} | {p:.1f} | {p / r['step_ms_p50'] - 1:+.1%} | {lo:+.1%} | "
                          f"{_as_predicted_then(r, kept.get((r['cell_id'], r['gpu_name'])))} | "
+                         f"{steptime.device_ms(r['work'], rates):.0f} / {steptime.host_ms(r['work'], rates):.0f} | "
                          f"{steptime.bound(r['work'], rates)} |")
         lines.append("")
     if lines:
@@ -78,7 +79,9 @@ def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
                  "combined as their p-norm (the larger where one dominates, more where they are close: each waits on "
                  "the other), four rates and the factors a GPU kind "
                  "fitted to these cells' measured median step times. *Left out*: the cell predicted by rates fitted "
-                 "to the others, the error to expect of a cell no GPU has run. *As predicted then*: the step time "
+                 "to the others, the error to expect of a cell no GPU has run. *Device / host*: the two sums the step "
+                 "combines, at these rates (where they are close, the step is longer than either). *As predicted "
+                 "then*: the step time "
                  "kept by the newest prediction made before the GPU ran the cell (fake-run/14 on), at the rates of its "
                  "day: no fit had seen the measurement. Offload, ZeRO, QLoRA and LLM.int8 bases, cut cross-entropy, "
                  "torch.compile with Liger and torchao's compiled step, selective checkpointing's op policy (a Python "
@@ -109,8 +112,9 @@ def _head(key: str, rates: steptime.StepRates, errors: pd.Series, left_out: pd.S
             f"{len(errors)} cells: abs error median {errors.abs().median():.1%}, max {errors.abs().max():.1%}; "
             f"left out: median {left_out.abs().median():.1%}, max {left_out.abs().max():.1%}, "
             f"{(left_out.abs() > 0.1).sum()} over 10%.", "",
-            "| cell | stack | seq | batch | measured ms | predicted ms | error | left out | as predicted then | bound |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| cell | stack | seq | batch | measured ms | predicted ms | error | left out | as predicted then "
+            "| device / host ms | bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def _8bit(rates: steptime.StepRates) -> str:
