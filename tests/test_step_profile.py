@@ -69,3 +69,11 @@ def test_a_file_that_is_not_a_profile_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as stopped:
         step_profile.summary("smoke", [tmp_path / "bad.json.gz"], "h100")
     assert stopped.value.code == 2
+
+
+def test_an_unknown_gpu_kind_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "step_profile.py"), "summary", "smoke",
+                           str(tmp_path / "none.json.gz"), "--gpu", "h1000"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "unknown GPU kind 'h1000'" in proc.stderr and "h100" in proc.stderr

@@ -39,7 +39,7 @@ CLASSES = (("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d\d_", re.I
            ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
            ("bitsandbytes", re.compile(r"kDequantize|kQuantize|kgemm|kOptimizer|kPreconditionOptimizer|bitsandbytes")),
            ("copy", re.compile(r"^Memcpy|^Memset|CatArrayBatched|copy_kernel|direct_copy")),
-           ("aten", re.compile(r"at::native|at::|void \w+<")),
+           ("aten", re.compile(r"at::|void \w+<")),
            ("triton and other", re.compile(r"")))
 
 
@@ -171,8 +171,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "record":
         record(args.matrix, args.cell_id, args.out)
-    else:
-        summary(args.matrix, args.profiles, args.gpu)
+        return
+    from bench.predict import gpus
+
+    if args.gpu not in gpus.GPUS:
+        refuse(f"unknown GPU kind {args.gpu!r}; known: {', '.join(gpus.GPUS)}")
+    summary(args.matrix, args.profiles, args.gpu)
 
 
 if __name__ == "__main__":
