@@ -172,9 +172,10 @@ def refresh_predicted(results_dir: Path) -> list[Path]:
     rendered = []
     for board in sorted(results_dir.glob("*/fit/FIT-predicted.md")):
         shown = re.search(r"run `([^`]+)`", board.read_text())
-        summary, predictions = (board.parent / f"{shown[1]}{tail}.parquet" if shown else None
-                                for tail in ("", "-predictions"))
-        if summary is None or predictions is None or not (summary.exists() and predictions.exists()):
+        if shown is None:
+            continue
+        summary, predictions = (board.parent / f"{shown[1]}{tail}.parquet" for tail in ("", "-predictions"))
+        if not (summary.exists() and predictions.exists()):
             continue
         frame = results.read_parquet(predictions, results.PREDICTED)
         gpu = gpus.GPUS.get(str(frame["gpu_kind"].iloc[0])) if len(frame) else None
