@@ -187,11 +187,11 @@ def test_work_counted_by_an_older_method_is_not_read():
     assert steptime.work_of({**row, "prediction_method": "fake-run/21"}) is None
     assert steptime.work_of({**row, "prediction_method": "fake-run/22"}) == StepWork(10**12, 100, 50, 10**12, 10**9)
     assert steptime.work_of(row) == steptime.work_of({**row, "prediction_method": "fake-run/23"}) is not None
-    # Liger's fused loss counted its in-place matmuls by their FLOPs alone before fake-run/23: its cells' work then
-    # is not read; other stacks' work of fake-run/22 is as now
+    # Liger's fused loss counted its in-place matmuls by their FLOPs alone before fake-run/23, its kernels' in-place
+    # writes once before fake-run/24: its cells' work then is not read; other stacks' work of fake-run/22 is as now
     liger, gc = parse_stack("gc + liger"), parse_stack("gc")
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/22"}, liger) is None
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/23"}, liger) is not None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/23"}, liger) is None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/24"}, liger) is not None
     assert steptime.cell_work({**row, "prediction_method": "fake-run/22"}, gc) is not None
 
 

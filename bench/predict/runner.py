@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/23"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/24"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -78,7 +78,9 @@ METHOD = "fake-run/23"  # bump when what a prediction counts changes (2: reserve
 # assumed bitsandbytes' own kernel and an H100 or H200 dequantizes from a few dozen rows on (no published cell);
 # 23: Liger's fused loss counts the bytes of the two matmuls its mirror writes in place (memory-bound: a chunk of
 # rows against the whole output layer), the host op each is, and its cross-entropy kernel (bench/predict/liger.py),
-# which moves only liger cells' step work, no memory figure)
+# which moves only liger cells' step work, no memory figure; 24: a Triton kernel's tensor it overwrites in place
+# counted read and written (bench/predict/triton_launch.py: Liger's SwiGLU backward, its RoPE), which moves only
+# liger cells' step work, no memory figure)
 
 
 @dataclass(frozen=True)

@@ -132,8 +132,9 @@ def bound(work: StepWork, rates: StepRates) -> str:
 # the dispatcher, two thirds of the ops and four fifths of the kernels counted before, are no longer counted
 # (bench/predict/flops.py). Rates are fitted to counts of this method on; an older row's counts are not theirs.
 WORK_COUNTED_SINCE = 22
-# And a technique's work counted as now only since a later method: Liger's fused loss, its matmuls' bytes (fake-run/23).
-TECHNIQUE_WORK_COUNTED_SINCE = {"liger": 23}
+# And a technique's work counted as now only since a later method: Liger's, its fused loss's matmuls' bytes
+# (fake-run/23) and its kernels' in-place writes (fake-run/24).
+TECHNIQUE_WORK_COUNTED_SINCE = {"liger": 24}
 
 
 def work_of(row: Mapping[str, Any]) -> StepWork | None:
