@@ -509,11 +509,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print("note: on the CPU budgets are recorded, not enforced: only OOMs a stack raises itself bound the search")
     hints = _predicted_hints(args.results_dir / matrix.name / "fit") if device == "cuda" else {}
     probes = fit.MeasuredProbes(matrix, host, opts, provenance, LineProgress())
+    known = len(probes.rows)  # a resumed run's
     summary = fit.FrontierRun(matrix, host, plan, probes, hints).all()
     probe_rows = list(results.read_raw(args.results_dir / "raw" / run_id).values())
     board = fitreport.publish(summary, probe_rows, args.results_dir / matrix.name / "fit", run_id)
-    ran = sum(s["probes_run"] for s in summary)
-    print(f"done: {len(summary)} searches, {ran} probes run now\nfrontier: {board}")
+    print(f"done: {len(summary)} searches, {len(probes.rows) - known} probes run now\nfrontier: {board}")
     return 0
 
 
@@ -547,11 +547,12 @@ def _fit_predicted(args: argparse.Namespace, matrix: spec.MatrixSpec, plan: fit.
     with (results.run_lock(args.results_dir / "raw" / run_id),
           predict_runner.spawned_pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext() as pool):
         probes = fit.PredictedProbes(on_gpu, opts, provenance, _print_prediction, pool)
+        known = len(probes.predicted)  # a resumed run's
         summary = fit.FrontierRun(on_gpu, probes.host, plan, probes).all(args.jobs)
     board = fitreport.publish_predicted(summary, list(probes.predicted.values()),
                                         args.results_dir / matrix.name / "fit", run_id, gpu.name)
-    ran = sum(s["probes_run"] for s in summary)
-    print(f"done: {len(summary)} searches, {ran} cells predicted now\npredicted frontier: {board}")
+    print(f"done: {len(summary)} searches, {len(probes.predicted) - known} cells predicted now\n"
+          f"predicted frontier: {board}")
     return 0
 
 

@@ -138,8 +138,12 @@ class Probes(Protocol):
     rows: dict[str, dict[str, Any]]
     too_big: tuple[str, ...]  # statuses that bound a search as an OOM does (search's too_big)
 
-    def run(self, cell: Cell) -> bool:
-        """Makes the cell's row in `rows`; True if it took a run now (not already known)."""
+    def run(self, cell: Cell) -> None:
+        """Makes the cell's row in `rows` (a run now, unless its run is already known)."""
+        ...
+
+    def run_key(self, cell: Cell) -> str:
+        """Probes of cells with one key are one run (a prediction serves every budget; a measurement, one)."""
         ...
 
     def need_gib(self, cell: Cell) -> float | None:
@@ -167,10 +171,12 @@ class MeasuredProbes:
     def __post_init__(self) -> None:
         self.rows = results.read_raw(self.opts.results_dir / "raw" / self.opts.run_id)  # a resumed run's probes
 
-    def run(self, cell: Cell) -> bool:
+    def run(self, cell: Cell) -> None:
         reason = skip_reason(cell, self.matrix, self.host)
         self.rows.update(runner.run([PlannedCell(cell, reason)], self.opts, self.provenance, self.progress))
-        return True
+
+    def run_key(self, cell: Cell) -> str:
+        return cell.row_key  # a run under this budget's cap
 
     def need_gib(self, cell: Cell) -> float | None:
         return None  # a measured peak depends on the budget's cap, and an OOM's is not known: bisect
@@ -222,11 +228,12 @@ class PredictedProbes:
         self.predicted = results.read_raw(self.raw_dir, results.PREDICTED)
         self.rows: dict[str, dict[str, Any]] = {}
         self.host = HostCaps(cuda_devices=1, packages=frozenset(OPTIONAL_PACKAGES))  # as a GPU host plans
+        self.probed: set[str] = set()  # the cells this process's searches probed: all they may know (`_known`)
 
-    def run(self, cell: Cell) -> bool:
+    def run(self, cell: Cell) -> None:
         plain = dataclasses.replace(cell, budget_gib=None)
-        ran = plain.cell_id not in self.predicted
-        if ran:
+        self.probed.add(plain.cell_id)
+        if plain.cell_id not in self.predicted:
             planned = PlannedCell(plain, skip_reason(plain, self.matrix, self.host))
             found = predict_runner.predicted_in(self.pool, planned, self.opts.card)
             self.predicted[plain.cell_id] = predict_runner.record(plain, found, self.opts, self.provenance,
@@ -238,21 +245,29 @@ class PredictedProbes:
         elif status == "ok":
             status = "ok" if runs_within(found, cell.budget_gib) else "oom"
         self.rows[cell.row_key] = found | {"status": status, "budget_gib": cell.budget_gib}
-        return ran
+
+    def run_key(self, cell: Cell) -> str:
+        return dataclasses.replace(cell, budget_gib=None).cell_id  # one fake run, whatever the budget
 
     def need_gib(self, cell: Cell) -> float | None:
-        """The card the cell needs, where its fake run is done and the host holds it (else None)."""
-        found = self.predicted.get(dataclasses.replace(cell, budget_gib=None).cell_id)
-        if found is None or found["status"] != "ok" or self._host_runs_out(found):
-            return None
-        return predicted_need_gib(found)
+        """The card the cell needs, where a search probed it and the host holds it (else None)."""
+        found = self._known(cell)
+        return None if found is None else predicted_need_gib(found)
 
     def fits(self, cell: Cell) -> bool | None:
-        """As a probe of the cell would say (`run`), where its fake run is done and the host holds it."""
-        found = self.predicted.get(dataclasses.replace(cell, budget_gib=None).cell_id)
+        """As a probe of the cell would say (`run`), where a search probed it and the host holds it."""
+        found = self._known(cell)
+        return None if found is None else runs_within(found, cell.budget_gib)
+
+    def _known(self, cell: Cell) -> dict[str, Any] | None:
+        """The cell's prediction where a search of this process probed it, it ran and the host holds it. Not
+        one a resumed run finds on disk before a search asks for it: that spares its fake run, not its probe,
+        so a resumed search goes (its probes, its frontier) as one never stopped."""
+        key = self.run_key(cell)
+        found = self.predicted.get(key) if key in self.probed else None
         if found is None or found["status"] != "ok" or self._host_runs_out(found):
             return None
-        return runs_within(found, cell.budget_gib)
+        return found
 
     def _host_runs_out(self, found: dict[str, Any]) -> bool:
         host_gib, limit_gib = predict_runner.host_needed_gib(found), self.opts.host_memory_gib
@@ -286,12 +301,15 @@ class FrontierRun:
             return [row for rows in threads.map(lambda pair: self.of_stack(*pair), pairs) for row in rows]
 
     def of_stack(self, model: str, stack: Stack) -> list[dict[str, Any]]:
-        out = []
+        """The stack's searches in a fixed order; `ran` holds the runs (Probes.run_key) they took, so each search
+        counts as run the probes no search before it took (`probes_run`), however many times the run resumed."""
+        out: list[dict[str, Any]] = []
+        ran: set[str] = set()
         for seq in self.matrix.seq_lens:
-            out += self.over_budgets(model, stack, "batch", seq)
-        return out + self.over_budgets(model, stack, "seq", 1)
+            out += self.over_budgets(model, stack, "batch", seq, ran)
+        return out + self.over_budgets(model, stack, "seq", 1, ran)
 
-    def over_budgets(self, model: str, stack: Stack, axis: str, fixed: int) -> list[dict[str, Any]]:
+    def over_budgets(self, model: str, stack: Stack, axis: str, fixed: int, ran: set[str]) -> list[dict[str, Any]]:
         plan = self.plan
         sizes = (list(range(1, plan.max_batch + 1)) if axis == "batch"
                  else list(range(plan.seq_step, plan.max_seq + 1, plan.seq_step)))
@@ -302,10 +320,8 @@ class FrontierRun:
                 device = resolve_device(self.matrix, self.host)
                 return make_cell(self.matrix, device, model, seq, batch, stack, budget_gib=budget)
 
-            ran: list[int] = []
-
-            def probe(size: int, cell_for: Callable[[int], Cell] = cell_for, ran: list[int] = ran) -> str:
-                return self.probe(cell_for(size), ran, size)
+            def probe(size: int, cell_for: Callable[[int], Cell] = cell_for) -> str:
+                return self.probe(cell_for(size))
 
             def need_gib(size: int, cell_for: Callable[[int], Cell] = cell_for) -> float | None:
                 return self.probes.need_gib(cell_for(size))
@@ -314,7 +330,9 @@ class FrontierRun:
             needs = Needs(need_gib, budget)
             found = search(sizes, probe, known_ok=known_ok, guess=guess, too_big=self.probes.too_big, needs=needs)
             known_ok = found.largest_ok
-            out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, ran, cell_for))
+            runs = {self.probes.run_key(cell_for(size)) for size in found.probes}
+            out.append(self.summary(model, stack, budget, axis, fixed, found, sizes, len(runs - ran), cell_for))
+            ran |= runs
         return out
 
     def measured(self, cell_for: Callable[..., Cell], size: int, budget: float) -> tuple[dict[str, Any], float | None]:
@@ -343,13 +361,13 @@ class FrontierRun:
                 needs[size] = need
         return not_monotone_text(fits, needs)
 
-    def probe(self, cell: Cell, ran: list[int], size: int) -> str:
-        if cell.row_key not in self.rows and self.probes.run(cell):  # a resumed search re-uses what it has
-            ran.append(size)
+    def probe(self, cell: Cell) -> str:
+        if cell.row_key not in self.rows:  # a resumed search re-uses what it has
+            self.probes.run(cell)
         return self.rows[cell.row_key]["status"]
 
     def summary(self, model: str, stack: Stack, budget: float, axis: str, fixed: int, found: Frontier,
-                sizes: list[int], ran: list[int], cell_for: Callable[[int], Cell]) -> dict[str, Any]:
+                sizes: list[int], probes_run: int, cell_for: Callable[[int], Cell]) -> dict[str, Any]:
         best, measured_under = self.measured(cell_for, found.largest_ok, budget) if found.largest_ok else ({}, None)
         return {
             "model": model, "stack": stack.label, "budget_gib": budget, "axis": axis,
@@ -358,7 +376,7 @@ class FrontierRun:
             "largest_ok": found.largest_ok, "smallest_oom": found.smallest_oom, "candidates_max": sizes[-1],
             "smallest_oom_status": (self.rows.get(cell_for(found.smallest_oom).row_key, {}).get("status")
                                     if found.smallest_oom else None),  # oom, or host_oom: the host's RAM
-            "probes": len(found.probes), "probes_run": len(ran), "stopped": found.stopped,
+            "probes": len(found.probes), "probes_run": probes_run, "stopped": found.stopped,
             "probe_wall_s": sum(self.rows[cell_for(s).row_key].get("wall_s") or 0 for s in found.probes),
             "measured_under_gib": measured_under,  # budget of the row the figures below come from
             "not_monotone": self.not_monotone(sizes, budget, cell_for),

@@ -121,10 +121,12 @@ class _Needing:
         self.needs, self.rows, self.known = needs, {}, set()
         self.replay_fails: set[int] = set()  # sizes whose replay within the budget fails below their need
 
-    def run(self, cell) -> bool:
+    def run(self, cell) -> None:
         self.known.add(cell.batch_size)
         self.rows[cell.row_key] = {"status": "ok" if self.needs[cell.batch_size] <= cell.budget_gib else "oom"}
-        return True
+
+    def run_key(self, cell) -> str:
+        return cell.row_key
 
     def need_gib(self, cell) -> float | None:
         return self.needs[cell.batch_size] if cell.batch_size in self.known else None
@@ -503,3 +505,35 @@ def test_a_predicted_frontiers_board_is_rendered_again_at_todays_rates(tmp_path,
                                                         matmul_tflops=steptime.RATES["h100"].matmul_tflops / 2))
     fitreport.refresh_predicted(tmp_path)
     assert board.read_text() != now
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_predicted_fit_searches_as_one_never_stopped(workdir) -> None:
+    """A predicted fit resumed (stopped half way: half its fake runs on disk; or finished) predicts only the cells
+    it lacks and writes the summary the run never stopped writes: each search's probes, the probes it ran
+    (`probes_run`: those no search before it ran) and its frontier. Before, a resumed search knew every cell on
+    disk before it asked and counted as run only what the resume ran: a finished search resumed wrote 0 probes run."""
+    from conftest import run_bench, write_matrix
+
+    write_matrix(workdir, PREDICTED_FIT.replace("[baseline, unsloth]", "[baseline]").replace("[64]", "[256]"))
+    args = ("fit", "f", "--predict", "--budgets", "0.8,1.2", "--max-batch", "12", "--seq-step", "256",
+            "--max-seq", "1024", "--run-id", "fr")
+    fit_dir, raw_dir = workdir / "results" / "f" / "fit", workdir / "results" / "raw" / "fr"
+    columns = ["stack", "axis", "seq_len", "budget_gib", "largest_ok", "smallest_oom", "probes", "probes_run"]
+
+    def searched() -> tuple[pd.DataFrame, str]:
+        proc = run_bench(workdir, *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return pd.read_parquet(fit_dir / "fr.parquet")[columns], proc.stdout
+
+    fresh, _ = searched()
+    made = sorted(raw_dir.glob("*.json"))
+    assert fresh["probes_run"].sum() == len(made) and (fresh["probes"] > fresh["probes_run"]).any()
+    for lost in made[::2]:  # as if it had stopped half way
+        lost.unlink()
+    resumed, said = searched()
+    pd.testing.assert_frame_equal(resumed, fresh)
+    assert f"{len(made[::2])} cells predicted now" in said
+    finished, said = searched()
+    pd.testing.assert_frame_equal(finished, fresh)
+    assert "0 cells predicted now" in said
