@@ -2269,6 +2269,21 @@ def test_liger_kernels_in_compiled_layers_are_taken_into_their_graphs_as_on_a_gp
     assert "the whole model compiled with Liger" in (fake.unsupported_reason(whole) or "")
 
 
+def test_a_process_that_predicted_compiled_liger_layers_exits_cleanly() -> None:
+    """Undoing Liger's patch leaves the globals torch.compile installed in the modeling module for its code
+    (`__builtins_dict___N`): dynamo deletes each itself when its code is freed. Deleted with the patch, each
+    raised a KeyError at the interpreter's exit, printed after every compile + liger prediction."""
+    script = ("from bench.predict import fake, gpus; from bench.cells import make_cell; from bench import spec; "
+              "from bench.stacks import parse_stack; "
+              "m = spec.from_mapping('s', {'device': 'cuda', 'models': ['tiny-llama'], 'seq_lens': [64], "
+              "'batch_sizes': [2], 'stacks': ['baseline']}); "
+              "found = fake.predict_cell(make_cell(m, 'cuda', 'tiny-llama', 64, 2, parse_stack('compile + liger')), "
+              "gpus.get('h100')); print(found['status'])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
+    assert "KeyError" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("args", "said"), [(["llama-3.2-3bb"], "unknown model 'llama-3.2-3bb'"),
                                             (["tiny-llama", "--seq", "64,x"], "not a comma list of integers"),
                                             (["tiny-llama", "--batch", "0"], "each must be at least 1"),

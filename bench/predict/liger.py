@@ -79,7 +79,8 @@ def _patch_undone(family: str) -> Iterator[None]:
         yield
     finally:
         for added in set(vars(module)) - set(names):
-            delattr(module, added)
+            if not added.startswith("__"):  # torch.compile's globals for its code (`__builtins_dict___N`): it
+                delattr(module, added)      # deletes them itself when the code is freed (a KeyError at exit, before)
         vars(module).update(names)
         for cls, forward in forwards.items():
             setattr(cls, "forward", forward)  # noqa: B010 (cls is any class of the module)
