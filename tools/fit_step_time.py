@@ -3,7 +3,7 @@
     python tools/fit_step_time.py h100 [--results results] [--start h100]
 
 The cells: every published GPU cell of that kind whose newest prediction counted the step's work
-(fake-run/22 on; a Liger stack's, 23 on) and whose stack the model times (bench/predict/steptime_report.py `timed`). Prints the
+(fake-run/22 on; a Liger stack's, 24 on) and whose stack the model times (bench/predict/steptime_report.py `timed`). Prints the
 rates as a line of RATES (with bitsandbytes' 8-bit optimizer's rate where its cells exist), the in-sample and
 left-out errors, and each cell's; writes nothing. Exit 2 on
 bad input, 1 with fewer than 8 cells to fit. Where no cell is host-bound, the host's rate is not fitted: it

@@ -1,7 +1,7 @@
 """Predicted step time beside measured: PREDICTION.md's section, and the cells the rates are fitted to.
 
 The cells: published GPU cells (`report.pairs`: measured, `ok`, beside their prediction) whose prediction
-counted the step's work as now (fake-run/22 on, a Liger stack's 23 on: steptime.cell_work) and whose stack and rank count
+counted the step's work as now (fake-run/22 on, a Liger stack's 24 on: steptime.cell_work) and whose stack and rank count
 the model times (bench/predict/steptime.py), a bitsandbytes 8-bit optimizer's cells among them (their own rate
 is fitted to them). The measured step time is the median of the measured steps (step_ms_p50).
 """
