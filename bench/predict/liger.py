@@ -18,8 +18,9 @@ Its work, for the step's time (bench/predict/flops.py): the Triton kernels each 
 tensors once, twice one they overwrite (SwiGLU's backward writes its inputs' gradients over them, RoPE
 rotates q and k in place: bench/predict/triton_launch.py, fake-run/24); the cross-entropy kernel, which
 the mirror counts as it runs (the logits read twice, written once); and the two matmuls the mirror
-writes in place, counted with their bytes: a chunk's matmuls are memory-bound (fake-run/23; before, counted by their FLOPs alone, which
-put Llama-3.2-3B's `liger` at seq 2048 batch 2 on the H100 13.5% short of its measured 196.9 ms).
+writes in place, counted with their bytes: a chunk's matmuls are memory-bound (fake-run/23; before,
+counted by their FLOPs alone, which put Llama-3.2-3B's `liger` at seq 2048 batch 2 on the H100 13.5%
+short of its measured 196.9 ms).
 
 Data-dependent: the forward counts the labels that are not ignored (`.item()`), which scales the
 loss and gradients but no allocation. Fake tensors hold no values, so the count is the token count.
