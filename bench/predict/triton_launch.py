@@ -9,7 +9,7 @@ Each launch is counted for the step's time as one memory-bound kernel reading or
 it is given once, and twice a tensor it overwrites in place: read from and stored to through the same
 pointer argument (`read_and_written`, from the kernel's source). Liger's SwiGLU backward writes the
 gradients over its saved inputs, its RoPE rotates q and k in place: at Llama-3.2-3B seq 2048 batch 2,
-about 5 GB a step that had been counted once (fake-run/24).
+5.6 GB a step that had been counted once (6.6 with checkpointing's recompute; fake-run/24).
 
 In code torch.compile compiles (a decoder layer with Liger's kernels in it), a launch is not run but
 traced: on a GPU, dynamo puts each Triton kernel into the graph as an opaque op that writes the buffers
@@ -120,11 +120,17 @@ def _jit_function(kernel: Any) -> Any:
 @functools.cache
 def read_and_written(kernel: Any) -> frozenset[str]:
     """The kernel's arguments it loads from and stores to through the same pointer (`tl.load` and `tl.store`
-    of pointers made from that argument): the tensors it overwrites in place, whose bytes move twice. Read from
-    its Python source; a pointer passed on to another function, or loaded from memory, is not followed (its
-    tensor is counted once, as every tensor was before)."""
-    function = ast.parse(textwrap.dedent(_jit_function(kernel).src)).body[0]
-    assert isinstance(function, ast.FunctionDef)
+    of pointers made from that argument): the tensors it overwrites in place, whose bytes move twice (the scalars
+    a pointer's offset is made from come out too, and count nothing: not tensors). Read from its Python source;
+    a pointer passed on to another function, or loaded from memory, is not followed (its tensor is counted once,
+    as every tensor was before), nor a kernel whose source does not parse as one function (none: each of its
+    tensors counted once)."""
+    try:
+        function = ast.parse(textwrap.dedent(_jit_function(kernel).src)).body[0]
+    except (AttributeError, SyntaxError, IndexError):
+        return frozenset()
+    if not isinstance(function, ast.FunctionDef):
+        return frozenset()
     made_from = {a.arg: {a.arg} for a in function.args.args}  # a name -> the arguments its pointers are made from
     assignments = [(target, node.value) for node in ast.walk(function) if isinstance(node, ast.Assign)
                    for target in node.targets] + \
@@ -155,9 +161,10 @@ def _pointer_sources(expression: ast.AST, made_from: dict[str, set[str]]) -> set
 
 def _accessed(function: ast.FunctionDef, access: str, made_from: dict[str, set[str]]) -> set[str]:
     """The arguments whose pointers `tl.<access>` (load or store) is called with."""
-    pointers = [call.args[0] if call.args else next(k.value for k in call.keywords if k.arg == "pointer")
-                for call in ast.walk(function) if _is_tl_call(call, access)]
-    return set().union(*(_pointer_sources(p, made_from) for p in pointers))
+    calls = [call for call in ast.walk(function) if _is_tl_call(call, access)]
+    pointers = [call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "pointer"), None)
+                for call in calls]
+    return set().union(*(_pointer_sources(p, made_from) for p in pointers if p is not None))
 
 
 def _is_tl_call(node: ast.AST, name: str) -> TypeGuard[ast.Call]:
