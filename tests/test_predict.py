@@ -1888,6 +1888,33 @@ def test_attention_on_a_cpu_counts_the_flops_of_the_gpus_attention() -> None:
                           flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape))
 
 
+def test_causal_attention_runs_the_share_of_its_scores_a_flash_kernel_computes() -> None:
+    """For the step's time (compute_flops), causal attention counts the scores a flash kernel computes, at or below
+    the diagonal (it skips the blocks above): 4,097 of every 8,192 at seq 4096. Given a mask (a padded or packed
+    batch: on a GPU, memory-efficient attention, which cannot skip them) it counts them all. Its FLOPs as torch's
+    formulas count them (step_tflop) stay whole either way (fake-run/25; before, causal attention ran all its
+    scores). On fake tensors: a compute-bound size, nothing computed."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict.flops import FlopCount, causal_share
+
+    assert causal_share(16, 16) == 17 / 32 and causal_share(4, 2) == (1 + 2 + 2 + 2) / 8
+    heads, seq, head = 8, 4096, 128
+    products = 2 * 1 * heads * seq * seq  # 2 x batch x query heads x s_q x s_k
+    forward, backward = products * 2 * head, products * 5 * head
+    for causal in (True, False):
+        with FakeTensorMode():
+            q, k, v = (torch.empty(1, heads, seq, head, requires_grad=True) for _ in range(3))
+            mask = None if causal else torch.ones(seq, seq, dtype=torch.bool).tril()  # the same scores, as a mask
+            with FlopCount() as flops:
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).sum().backward()
+        assert flops.flops == forward + backward
+        share = (seq + 1) / (2 * seq) if causal else 1
+        assert flops.compute_flops == round(forward * share) + round(backward * share), causal
+
+
 def test_a_mixture_of_experts_counts_its_grouped_matmuls_flops(tmp_path: Path) -> None:
     """Its experts run by grouped matmuls, which torch's FLOP registry has no formula for. tiny OLMoE routes each
     of 128 tokens to 2 of 8 experts (256 rows): halving the experts' width takes 3 x 6 x rows x hidden x width/2 a

@@ -181,18 +181,19 @@ def test_a_stack_the_model_does_not_time_has_no_step_time():
 
 
 def test_work_counted_by_an_older_method_is_not_read():
-    """Before fake-run/22 a fake tensor's device questions were counted as ops and kernels: rates fitted to today's
-    counts read a row's work only where it was counted as now (a fresh prediction's row names no method)."""
+    """Before fake-run/22 a fake tensor's device questions were counted as ops and kernels, before fake-run/25 causal
+    attention's every score: rates fitted to today's counts read a row's work only where it was counted as now (a
+    fresh prediction's row names no method)."""
     row = {"step_tflop": 1.0, "step_ops": 100, "step_kernels": 50, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
     assert steptime.work_of({**row, "prediction_method": "fake-run/21"}) is None
-    assert steptime.work_of({**row, "prediction_method": "fake-run/22"}) == StepWork(10**12, 100, 50, 10**12, 10**9)
-    assert steptime.work_of(row) == steptime.work_of({**row, "prediction_method": "fake-run/23"}) is not None
-    # Liger's fused loss counted its in-place matmuls by their FLOPs alone before fake-run/23, its kernels' in-place
-    # writes once before fake-run/24: its cells' work then is not read; other stacks' work of fake-run/22 is as now
+    assert steptime.work_of({**row, "prediction_method": "fake-run/24"}) is None
+    assert steptime.work_of({**row, "prediction_method": "fake-run/25"}) == StepWork(10**12, 100, 50, 10**12, 10**9)
+    assert steptime.work_of(row) == steptime.work_of({**row, "prediction_method": "fake-run/26"}) is not None
+    # Liger's since fake-run/24 (its in-place writes); a method older than the whole count's is not read either
     liger, gc = parse_stack("gc + liger"), parse_stack("gc")
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/23"}, liger) is None
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/24"}, liger) is not None
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/22"}, gc) is not None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/25"}, liger) is not None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/24"}, liger) is None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/25"}, gc) is not None
 
 
 def test_the_report_times_only_cells_it_can():

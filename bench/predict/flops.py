@@ -62,6 +62,15 @@ def attention_flops(query: Any, key: Any, value: Any, backward: bool) -> int:
     return 2 * batch * heads * s_q * s_k * ((3 * d_qk + 2 * d_v) if backward else (d_qk + d_v))
 
 
+def causal_share(s_q: int, s_k: int) -> float:
+    """The share of attention's scores a causal kernel computes: query i sees keys 0..i (torch's top-left causal
+    mask). A flash kernel skips the blocks above the diagonal, so runs about half the FLOPs torch's formula counts;
+    a kernel given an explicit mask (a padded or packed batch: on a GPU, memory-efficient attention) cannot skip
+    them, and an attention of plain matmuls (eager) computes every score."""
+    seen = s_q * (s_q + 1) // 2 if s_q <= s_k else s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+    return seen / (s_q * s_k)
+
+
 def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """A grouped matmul's FLOPs (torch's registry has no formula for it): a mixture of experts runs its
     experts by it, each routed row through its expert's weight. 2-D by 3-D (the rows by every expert's
@@ -107,6 +116,15 @@ def count_undispatched_kernel(tensors: list[Any]) -> None:
     FlopCount running as one memory-bound kernel reading or writing each of its tensors once."""
     for mode in _running():
         mode.add_kernel(0, sum(_nbytes(t) for t in tensors))
+
+
+def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
+    """An op's argument by its schema's name, positional or keyword (None where not given)."""
+    names = [a.name for a in func._schema.arguments]
+    if name in kwargs:
+        return kwargs[name]
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else None
 
 
 def _nbytes(tensor: Any) -> int:
@@ -172,17 +190,20 @@ class FlopCount(TorchDispatchMode):
             return out
         flops = self._op_flops(func, args, kwargs, out)
         if not func.is_view and func._opname not in NO_KERNEL_OPS:
-            self.add_kernel(flops, sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out))
+            moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out)
+            self.add_kernel(flops, moved, self._run_flops(func, args, kwargs, flops))
         else:
             self.flops += flops
         return out
 
-    def add_kernel(self, flops: int, moved: int) -> None:
-        """One kernel doing `flops` and reading and writing `moved` bytes, sorted by the roofline."""
+    def add_kernel(self, flops: int, moved: int, run_flops: int | None = None) -> None:
+        """One kernel doing `flops` (as torch's formulas count them) and reading and writing `moved` bytes, sorted by
+        the roofline on the FLOPs it runs (`run_flops`, where fewer: a causal flash kernel's skipped scores)."""
         self.flops += flops
         self.kernels += 1
-        if flops > RIDGE_FLOP_PER_BYTE * moved:
-            self.compute_flops += flops
+        ran = flops if run_flops is None else run_flops
+        if ran > RIDGE_FLOP_PER_BYTE * moved:
+            self.compute_flops += ran
         else:
             self.memory_bytes += moved
 
@@ -198,6 +219,16 @@ class FlopCount(TorchDispatchMode):
 
     def work(self) -> StepWork:
         return StepWork(self.flops, self.ops, self.kernels, self.compute_flops, self.memory_bytes)
+
+    @staticmethod
+    def _run_flops(func: Any, args: Any, kwargs: Any, flops: int) -> int:
+        """The FLOPs the op's GPU kernel runs: causal attention's share of its scores (`causal_share`; fake-run/25),
+        else all it counts."""
+        if func._opname not in ATTENTION_OPS + ATTENTION_BACKWARD_OPS or not _argument(func, args, kwargs, "is_causal"):
+            return flops
+        query = args[0] if func._opname in ATTENTION_OPS else args[1]
+        key = args[1] if func._opname in ATTENTION_OPS else args[2]
+        return round(flops * causal_share(query.shape[2], key.shape[2]))
 
     @staticmethod
     def _op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
