@@ -7,7 +7,9 @@ policy costs in compute.
 
 Beside the FLOPs, what a step's time is predicted from (bench/predict/steptime.py): how many ops the
 host dispatched, how many of them launch a kernel, and each kernel's bytes and FLOPs, summed as a
-roofline sorts them (compute-bound: its FLOPs; memory-bound: its bytes).
+roofline sorts them (compute-bound: its FLOPs; memory-bound: its bytes). The FLOPs a kernel runs, where
+fewer than torch's formula counts: causal attention's, the scores at or below the diagonal that a flash
+kernel computes (`causal_share`: about half; fake-run/25).
 
 Not FlopCounterMode itself: its module tracker hooks every module's backward, and under activation
 checkpointing that keeps the recomputed layers alive together (the fake run of `gc` at Llama-3.2-3B
