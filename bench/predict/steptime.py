@@ -243,14 +243,14 @@ RATES: dict[str, StepRates] = {
 # own work, compiled kernels the fake run runs unfused (torchao's step: not at all), and ops paying a Python
 # dispatch mode's time (POLICY_GC). QLoRA's work is counted (bitsandbytes' 4-bit matmul as the kernels CUDA runs:
 # bench/predict/bnb.py) but its time is not what it says: on the H200 at seq 2048 batch 2, qlora took 296.4 ms and
-# qlora + gc 493.9 where the rates say 257.3 and 400.0 (-13%, -19%; lora and gc + lora, the same work but for the
+# qlora + gc 493.9 where the rates say 253.1 and 396.5 (-15%, -20%; lora and gc + lora, the same work but for the
 # dequantization, 257.8 and 393.4 measured), though dequantizing every weight once a forward and once a backward
 # (and once more in gc's recompute) moves some 14 GB (21), 4 ms (7) at the fitted bandwidth, where the steps take
 # 39 ms (100) longer than LoRA's: bitsandbytes' 4-bit path costs where its bytes do not say.
 POLICY_GC = "selective_gc(ops=matmuls)"
 UNTIMED = frozenset({"offload", "activation_offload", "qlora", "int8_lora", "cce", "zero2", "zero3",
                      "torchao_adamw", POLICY_GC})
-UNTIMED_WHY = {"qlora": "its work is counted, but on the H200 its cells took 15-23% longer than that work says "
+UNTIMED_WHY = {"qlora": "its work is counted, but on the H200 its cells took 17-25% longer than that work says "
                         "(bitsandbytes' 4-bit path)"}
 # torch.compile is timed from its generated code's kernels (bench/predict/compiled.py: each counted as reading
 # or writing its tensors once, as inductor planned them for the CPU): the H200's compile and compile + gc at seq
