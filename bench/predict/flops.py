@@ -122,11 +122,11 @@ def count_undispatched_kernel(tensors: list[Any]) -> None:
 
 def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
     """An op's argument by its schema's name, positional or keyword (None where not given)."""
-    names = [a.name for a in func._schema.arguments]
     if name in kwargs:
         return kwargs[name]
-    index = names.index(name) if name in names else len(args)
-    return args[index] if index < len(args) else None
+    names = [a.name for a in func._schema.arguments]
+    index = names.index(name) if name in names else None
+    return args[index] if index is not None and index < len(args) else None
 
 
 def _nbytes(tensor: Any) -> int:
