@@ -51,6 +51,28 @@ def test_a_void_in_place_op_writes_what_its_schema_marks():
     assert counted.work().memory_bytes == 3 * 3 * 4000
 
 
+@pytest.mark.parametrize("grad_scale", [None, 1024.0])
+def test_a_fused_optimizer_writes_its_gradients_only_under_a_grad_scaler(grad_scale):
+    """Fused AdamW's schema marks its gradients written, but CUDA's kernel stores them only when handed a
+    GradScaler's `grad_scale` to unscale them by: its step reads parameters, gradients and both moments and writes
+    back three of the four (fake-run/26; before, four), or all four under the scaler."""
+    params = [torch.ones(1000, requires_grad=True) for _ in range(2)]
+    for p in params:
+        p.grad = torch.ones(1000)
+    optimizer = torch.optim.AdamW(params, fused=True)
+    optimizer.step()  # the moments exist from here on
+    scaled = {} if grad_scale is None else {"grad_scale": torch.tensor(grad_scale), "found_inf": torch.tensor(0.0)}
+    with flops.FlopCount() as counted:
+        torch._fused_adamw_(params, [p.grad for p in params], [optimizer.state[p]["exp_avg"] for p in params],
+                            [optimizer.state[p]["exp_avg_sq"] for p in params], [],
+                            [optimizer.state[p]["step"] for p in params], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, **scaled)
+    arrays, steps = 2 * 1000 * 4, 2 * 4  # a list of two fp32 tensors' bytes; the two step counts, read
+    scale_tensors = 0 if grad_scale is None else 2 * 4
+    written = 3 if grad_scale is None else 4
+    assert counted.work().memory_bytes == 4 * arrays + steps + scale_tensors + written * arrays
+
+
 def test_a_roofline_sorts_a_projection_from_a_low_rank_matmul():
     """A square projection of 1024 rows does 2 x 1024^3 FLOPs over 3 x 1024^2 x 2 bytes (341 a byte: compute-
     bound); a rank-16 adapter's matmul of the same rows moves as many bytes for 1/64 of the FLOPs."""
@@ -180,20 +202,22 @@ def test_a_stack_the_model_does_not_time_has_no_step_time():
         steptime.RATES.update(saved)
 
 
-def test_work_counted_by_an_older_method_is_not_read():
+def test_work_counted_by_an_older_method_is_not_read(monkeypatch):
     """Before fake-run/22 a fake tensor's device questions were counted as ops and kernels, before fake-run/25 causal
-    attention's every score: rates fitted to today's counts read a row's work only where it was counted as now (a
-    fresh prediction's row names no method)."""
+    attention's every score, before fake-run/26 a fused optimizer's gradients written: rates fitted to today's counts
+    read a row's work only where it was counted as now (a fresh prediction's row names no method)."""
     row = {"step_tflop": 1.0, "step_ops": 100, "step_kernels": 50, "step_compute_tflop": 1.0, "step_memory_gb": 1.0}
     assert steptime.work_of({**row, "prediction_method": "fake-run/21"}) is None
-    assert steptime.work_of({**row, "prediction_method": "fake-run/24"}) is None
-    assert steptime.work_of({**row, "prediction_method": "fake-run/25"}) == StepWork(10**12, 100, 50, 10**12, 10**9)
-    assert steptime.work_of(row) == steptime.work_of({**row, "prediction_method": "fake-run/26"}) is not None
-    # Liger's since fake-run/24 (its in-place writes); a method older than the whole count's is not read either
+    assert steptime.work_of({**row, "prediction_method": "fake-run/25"}) is None
+    assert steptime.work_of({**row, "prediction_method": "fake-run/26"}) == StepWork(10**12, 100, 50, 10**12, 10**9)
+    assert steptime.work_of(row) == steptime.work_of({**row, "prediction_method": "fake-run/27"}) is not None
+    # a technique's work counted as now only since a later method: its cells' older rows are not read, others' are
     liger, gc = parse_stack("gc + liger"), parse_stack("gc")
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/25"}, liger) is not None
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/24"}, liger) is None
-    assert steptime.cell_work({**row, "prediction_method": "fake-run/25"}, gc) is not None
+    monkeypatch.setitem(steptime.TECHNIQUE_WORK_COUNTED_SINCE, "liger", 27)
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/27"}, liger) is not None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/26"}, liger) is None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/26"}, gc) is not None
+    assert steptime.cell_work({**row, "prediction_method": "fake-run/25"}, gc) is None
 
 
 def test_the_report_times_only_cells_it_can():

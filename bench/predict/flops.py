@@ -44,6 +44,12 @@ NO_KERNEL_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided
 # 20,319 ops, 17,258 kernels and 639 GB moved where it dispatches 6,168, 3,107 and 236 GB.
 NOT_OPS_NAMESPACES = frozenset({"prim", "profiler"})
 
+# Fused optimizers whose schemas mark their gradients written (`Tensor(b!)[] grads`) though their CUDA kernels write
+# them back only when a GradScaler hands them `grad_scale` to unscale by (fused_adam_utils.cuh's and FusedSgdKernel.cu's
+# conditional gradient store): without one, a step reads each gradient and writes it not. Counted as written before
+# fake-run/26: a full fine-tune's step moved its gradients' bytes once more (Llama-3.2-3B in bf16: 6.4 GB).
+GRADS_WRITTEN_WITH_SCALE_ONLY = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_"})
+
 # sdpa's attention kernels, forward and backward: the fake run dispatches the CPU's, a GPU one of the others.
 # They are counted here, not by torch's registry: its formulas come for the CPU's only from torch 2.15 on (before,
 # attention counted nothing), and torch 2.11's assert that keys have as many heads as queries, which grouped-query
@@ -192,7 +198,7 @@ class FlopCount(TorchDispatchMode):
             return out
         flops = self._op_flops(func, args, kwargs, out)
         if not func.is_view and func._opname not in NO_KERNEL_OPS:
-            moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, out)
+            moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + self._written_bytes(func, args, kwargs, out)
             self.add_kernel(flops, moved, self._run_flops(func, args, kwargs, flops))
         else:
             self.flops += flops
@@ -210,12 +216,14 @@ class FlopCount(TorchDispatchMode):
             self.memory_bytes += moved
 
     @staticmethod
-    def _written_bytes(func: Any, args: Any, out: Any) -> int:
+    def _written_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         """The bytes an op writes: its outputs; an in-place op that returns nothing (`_foreach_add_`) writes
-        the arguments its schema marks as written."""
+        the arguments its schema marks as written (a fused optimizer its gradients only under a GradScaler)."""
         written = _tensors(out)
         if not written:
-            marked = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+            unscaled = func._opname in GRADS_WRITTEN_WITH_SCALE_ONLY and _argument(func, args, kwargs, "grad_scale") is None
+            marked = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+                      and not (unscaled and a.name == "grads")]
             written = _tensors([args[i] for i in marked if i < len(args)])
         return sum(_nbytes(t) for t in written)
 

@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/25"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/26"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -82,7 +82,9 @@ METHOD = "fake-run/25"  # bump when what a prediction counts changes (2: reserve
 # counted read and written (bench/predict/triton_launch.py: Liger's SwiGLU backward, its RoPE), which moves only
 # liger cells' step work, no memory figure; 25: causal attention's compute-bound FLOPs the share of its scores a
 # flash kernel computes (bench/predict/flops.py `causal_share`: about half; step_tflop still torch's count), which
-# moves every cell's step work (step_compute_tflop), no memory figure)
+# moves every cell's step work (step_compute_tflop), no memory figure; 26: a fused optimizer's gradients read, not
+# written, without a GradScaler (bench/predict/flops.py GRADS_WRITTEN_WITH_SCALE_ONLY), which moves the step work
+# (step_memory_gb) of every cell that steps fused AdamW, no memory figure)
 
 
 @dataclass(frozen=True)

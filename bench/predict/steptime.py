@@ -135,12 +135,13 @@ def bound(work: StepWork, rates: StepRates) -> str:
 # The fake run's count of a step's work changed at fake-run/22: the device questions a fake tensor answers through
 # the dispatcher, two thirds of the ops and four fifths of the kernels counted before, are no longer counted
 # (bench/predict/flops.py); and at fake-run/25: causal attention's compute is the share of its scores a flash kernel
-# computes (about half; Llama-3.2-3B baseline s2048 b2: 89.05 -> 84.01 compute-bound TFLOP). Rates are fitted to
-# counts of this method on; an older row's counts are not theirs.
-WORK_COUNTED_SINCE = 25
-# And a technique's work counted as now only since a later method: Liger's, its fused loss's matmuls' bytes
-# (fake-run/23) and its kernels' in-place writes (fake-run/24).
-TECHNIQUE_WORK_COUNTED_SINCE = {"liger": 24}
+# computes (about half; Llama-3.2-3B baseline s2048 b2: 89.05 -> 84.01 compute-bound TFLOP); and at fake-run/26: a
+# fused optimizer's gradients are read, not written (236.0 -> 229.6 GB moved). Rates are fitted to counts of this
+# method on; an older row's counts are not theirs.
+WORK_COUNTED_SINCE = 26
+# And a technique's work counted as now only since a later method than the whole count's: none today (Liger's, since
+# fake-run/24 for its fused loss's matmuls' bytes and its kernels' in-place writes, is older than fake-run/26).
+TECHNIQUE_WORK_COUNTED_SINCE: dict[str, int] = {}
 
 
 def work_of(row: Mapping[str, Any]) -> StepWork | None:
@@ -220,21 +221,21 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # -3.6% (H100 -3.4% -> -0.4%). The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq
 # 1024), fitted from the H100's: its bandwidth and kernel gap trade off against each other there.
 RATES: dict[str, StepRates] = {
-    "h100": StepRates(714.0, 2317.9, 0.195, 15.529,
+    "h100": StepRates(698.5, 2359.9, 0.911, 15.389,
                       "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
-                      "axolotl3b-predicted-h100-torch211-20261130w, llama3b-predicted-h100-torch211-20261130w, "
-                      "playbook-predicted-h100-torch211-20261130w)",
-                      "median 1.8% off, -8.0% to +6.6%", cells=52,
-                      host_factors=(("gc", 1.15), ("lora", 0.85)), overlap_p=5.0,
-                      optimizer_8bit_ps=32.59, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 2.3% off, -5.0% to +2.9%"),
-    "h200": StepRates(637.9, 3076.3, 0.082, 16.887,
+                      "axolotl3b-predicted-h100-torch211-20261130x, llama3b-predicted-h100-torch211-20261130x, "
+                      "playbook-predicted-h100-torch211-20261130x)",
+                      "median 1.8% off, -7.5% to +9.4%", cells=52,
+                      host_factors=(("gc", 1.1), ("lora", 0.9)), overlap_p=5.0,
+                      optimizer_8bit_ps=31.60, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 2.4% off, -5.0% to +3.1%"),
+    "h200": StepRates(634.0, 3027.2, 0.042, 17.002,
                       "32 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
-                      "llama3b-predicted-h200-torch211-20261130w, playbook-predicted-h200-torch211-20261130w)",
-                      "median 2.2% off, -9.7% to +6.3%", cells=28,
-                      host_factors=(("dora", 1.2), ("gc", 1.15), ("lora", 1.0)), overlap_p=5.0,
-                      optimizer_8bit_ps=33.67, optimizer_8bit_cells=4,
-                      optimizer_8bit_left_out="median 4.5% off, -9.5% to +8.9%"),
+                      "llama3b-predicted-h200-torch211-20261130x, playbook-predicted-h200-torch211-20261130x)",
+                      "median 1.9% off, -9.6% to +6.5%", cells=28,
+                      host_factors=(("dora", 1.2), ("gc", 1.15), ("lora", 0.95)), overlap_p=5.0,
+                      optimizer_8bit_ps=33.06, optimizer_8bit_cells=4,
+                      optimizer_8bit_left_out="median 4.6% off, -9.5% to +8.8%"),
 }
 
 
