@@ -485,7 +485,7 @@ def test_a_predicted_frontiers_board_is_rendered_again_at_todays_rates(tmp_path,
     from bench.predict import steptime
 
     published = Path(__file__).resolve().parents[1] / "results" / "fit70b" / "fit"
-    run = "fit-fit70b-predicted-h100-torch211-20261130b"  # fake-run/25: its step work read at today's rates
+    run = "fit-fit70b-predicted-h100-torch211-20261130c"  # fake-run/26: its step work read at today's rates
     board = tmp_path / "fit70b" / "fit" / "FIT-predicted.md"
     board.parent.mkdir(parents=True)
     for tail in ("", "-predictions"):
