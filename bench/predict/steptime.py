@@ -201,7 +201,7 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # here gets no predicted step time. Effective rates, not the datasheet's: the matmul rate is the dense bf16 peak's
 # (989 TFLOP/s) share the compute-bound kernels reached; the bandwidth, what memory-bound kernels reached of the HBM's
 # 3.35 (H100) and 4.8 TB/s (H200); a kernel's gap, its launch and tail. Fitted under the releases the GPU ran (torch
-# 2.11.0, transformers 5.17.0) to fake-run/25's counts (WORK_COUNTED_SINCE). The counts before fake-run/22,
+# 2.11.0, transformers 5.17.0) to fake-run/26's counts (WORK_COUNTED_SINCE). The counts before fake-run/22,
 # inflated by a fake tensor's device questions (bench/predict/flops.py), had fitted 798 and 708 TFLOP/s, 5,896 and
 # 8,457 GB/s (above the HBM's: the phantom bytes), 0.31 and 0.85 µs a kernel, 5.5 and 6.7 µs an op, with larger host
 # factors (gc x 1.2 and 1.3, LoRA x 0.8 and 0.85); each cell left out was then predicted median 2.8% (H100) and 2.5%
@@ -218,8 +218,11 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # compute-bound TFLOP), 1.8% and 2.2% (-8.0% to +6.6%, -9.7% to +6.3%; root mean square 3.34% -> 3.38% and 4.29% ->
 # 3.46%), at 714 and 638 TFLOP/s (the matmuls' own rate: attention's half had run faster): the cells whose attention
 # a GPU runs in full came in, H200 `padding` -5.0% -> -1.7%, `packing` -8.1% -> -4.8%, `eager_attention` -4.9% ->
-# -3.6% (H100 -3.4% -> -0.4%). The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq
-# 1024), fitted from the H100's: its bandwidth and kernel gap trade off against each other there.
+# -3.6% (H100 -3.4% -> -0.4%). With a fused optimizer's gradients read, not written back (fake-run/26: 6.4 GB a step
+# less for Llama-3.2-3B in bf16, 12.9 under mixed precision's fp32 ones), 1.8% and 1.9% (-7.5% to +9.4%, -9.6% to
+# +6.5%; root mean square 3.25% and 3.49%): mixed precision's H100 cells, the longest, came in from +4..+6% to
+# +3..+4%. The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq 1024), fitted from the
+# H100's: its bandwidth and kernel gap trade off against each other there.
 RATES: dict[str, StepRates] = {
     "h100": StepRates(698.5, 2359.9, 0.911, 15.389,
                       "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
