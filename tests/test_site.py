@@ -94,6 +94,32 @@ def test_a_prediction_needs_its_smallest_card_and_a_measurement_its_device_peak(
     assert measured["device_gib"] == measured["need_gib"] == 31.8
 
 
+def test_the_predictions_shown_without_a_step_time_are_listed_to_predict_again(site_data_: site_data.SiteData,
+                                                                                monkeypatch) -> None:
+    """tools/repredict_stale.py: after a change of what the fake run counts (a later WORK_COUNTED_SINCE, as a method
+    bump makes), every prediction the page showed with a tokens/s is listed, by matrix and GPU kind, with the
+    command that predicts it again; a stack the model does not time (QLoRA, ZeRO, several ranks) is not."""
+    import sys
+
+    from bench.predict import steptime
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import repredict_stale
+
+    timed = {(c["matrix"], c["row"]["gpu_kind"], c["cell_id"]) for c in site_data_.cells
+             if c["primary"] and c["source"] == "predicted" and c["tokens_per_s"] is not None}
+    assert timed
+    monkeypatch.setattr(steptime, "WORK_COUNTED_SINCE", 10**6)
+    found = repredict_stale.stale(RESULTS)
+    listed = {(matrix, kind, cell_id) for (matrix, kind), ids in found.items() for cell_id in ids}
+    assert timed <= listed
+    assert not [c for c in listed if "qlora" in c[2] or "zero" in c[2]]
+    for command, ((matrix, kind), ids) in zip(repredict_stale.commands(found, "torch211-x", RESULTS), found.items(),
+                                              strict=True):
+        assert command[3:] == ["--results-dir", str(RESULTS), "predict", matrix, "--gpu", kind, "--run-id",
+                               f"{matrix}-predicted-{kind}-torch211-x", "--only", ",".join(ids)]
+
+
 def test_units_are_read_off_column_names() -> None:
     assert site_data.unit_of("peak_reserved_gib") == "GiB"
     assert site_data.unit_of("step_ms_p50") == "ms"
