@@ -224,13 +224,14 @@ def predicted_ms(row: Mapping[str, Any], gpu_key: str, stack: Stack, gpus: int) 
 # +3..+4%. The H200's rates are its 32 cells' at seq 2048 batch 2 (one at batch 4, one at seq 1024), fitted from the
 # H100's: its bandwidth and kernel gap trade off against each other there.
 RATES: dict[str, StepRates] = {
-    "h100": StepRates(698.5, 2359.9, 0.911, 15.389,
-                      "56 cells of llama3b-h100-20261122, llama3b-h100-repeats (predictions "
-                      "axolotl3b-predicted-h100-torch211-20261130x, llama3b-predicted-h100-torch211-20261130x, "
-                      "playbook-predicted-h100-torch211-20261130x)",
-                      "median 1.8% off, -7.5% to +9.4%", cells=52,
-                      host_factors=(("gc", 1.1), ("lora", 0.9)), overlap_p=5.0,
-                      optimizer_8bit_ps=31.60, optimizer_8bit_cells=4,
+    "h100": StepRates(704.7, 2336.9, 0.738, 15.989,
+                      "61 cells of llama3b-h100-20261122, llama3b-h100-repeats, regress-h100-image-a, "
+                      "regress-h100-image-b, regress-h100-peft0212 (predictions axolotl3b-predicted-h100-torch211-20261130x, "
+                      "llama3b-predicted-h100-torch211-20261130x, playbook-predicted-h100-torch211-20261130x, "
+                      "regress-predicted-h100-torch211-20261130x)",
+                      "median 1.7% off, -7.1% to +9.7%", cells=57,
+                      host_factors=(("gc", 1.1), ("lora", 0.85)), overlap_p=5.0,
+                      optimizer_8bit_ps=31.79, optimizer_8bit_cells=4,
                       optimizer_8bit_left_out="median 2.4% off, -5.0% to +3.1%"),
     "h200": StepRates(634.0, 3027.2, 0.042, 17.002,
                       "32 cells of llama3b-h200-20261127, llama3b-h200-20261127-segments (predictions "
