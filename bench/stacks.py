@@ -7,6 +7,7 @@ Every problem is a StackError whose message names the technique, option or rule 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -51,6 +52,11 @@ class Use:
 @dataclass(frozen=True)
 class Stack:
     uses: tuple[Use, ...]  # in application order: by phase, then name
+
+    @classmethod
+    def from_row(cls, stack_json: str | None) -> Stack:
+        """A result row's stack, read back from its `stack_json` (every use with its options resolved)."""
+        return cls(tuple(Use(name, tuple(opts.items())) for name, opts in json.loads(stack_json or "[]")))
 
     @property
     def label(self) -> str:

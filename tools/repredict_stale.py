@@ -15,7 +15,6 @@ prefers). Exit 0 when none is stale, 1 when some are (after `--run`: when some s
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
@@ -27,7 +26,7 @@ sys.path[:0] = [str(REPO)]
 
 from bench.predict import steptime  # noqa: E402
 from bench.site import data  # noqa: E402
-from bench.stacks import Stack, Use  # noqa: E402
+from bench.stacks import Stack  # noqa: E402
 
 
 def stale(results_dir: Path) -> dict[tuple[str, str], list[str]]:
@@ -38,7 +37,7 @@ def stale(results_dir: Path) -> dict[tuple[str, str], list[str]]:
         kind = str(row.get("gpu_kind", ""))
         if not cell["primary"] or cell["source"] != "predicted" or cell["status"] != "ok" or kind not in steptime.RATES:
             continue
-        stack = Stack(tuple(Use(name, tuple(opts.items())) for name, opts in json.loads(row.get("stack_json") or "[]")))
+        stack = Stack.from_row(row.get("stack_json"))
         gpus = int(row.get("gpus", 1))
         if steptime.unsupported_reason(stack, gpus, steptime.RATES[kind]) is None and steptime.cell_work(row, stack) is None:
             found[(str(cell["matrix"]), kind)].add(cell["cell_id"])

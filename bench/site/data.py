@@ -37,7 +37,7 @@ import pandas as pd
 from .. import results
 from ..predict import gpus, steptime
 from ..predict import report as predict_report
-from ..stacks import Stack, Use
+from ..stacks import Stack
 from ..views import by_cell
 
 # Columns added by views.by_cell, defined here as the schema defines the others.
@@ -157,8 +157,8 @@ def _record(row: dict[str, Any], source: str) -> dict[str, Any]:
 def _predicted_tokens_per_s(row: dict[str, Any]) -> float | None:
     """A prediction's tokens/s at its GPU kind's rates of today (not the `step_ms` it kept when made, so every
     prediction on the page is timed by the same fit), None where not predicted."""
-    uses = tuple(Use(name, tuple(opts.items())) for name, opts in json.loads(row.get("stack_json") or "[]"))
-    step_ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), Stack(uses), int(row.get("gpus", 1)))
+    step_ms = steptime.predicted_ms(row, str(row.get("gpu_kind", "")), Stack.from_row(row.get("stack_json")),
+                                    int(row.get("gpus", 1)))
     return None if step_ms is None else steptime.tokens_per_s(int(row["batch_size"]), int(row["seq_len"]), step_ms)
 
 
