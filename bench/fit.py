@@ -374,6 +374,7 @@ class FrontierRun:
             "seq_len": fixed if axis == "batch" else found.largest_ok,
             "batch_size": found.largest_ok if axis == "batch" else fixed,
             "largest_ok": found.largest_ok, "smallest_oom": found.smallest_oom, "candidates_max": sizes[-1],
+            "candidates_step": sizes[1] - sizes[0] if len(sizes) > 1 else None,  # --seq-step on the seq axis
             "smallest_oom_status": (self.rows.get(cell_for(found.smallest_oom).row_key, {}).get("status")
                                     if found.smallest_oom else None),  # oom, or host_oom: the host's RAM
             "probes": len(found.probes), "probes_run": probes_run, "stopped": found.stopped,

@@ -120,6 +120,34 @@ def test_the_predictions_shown_without_a_step_time_are_listed_to_predict_again(s
                                f"{matrix}-predicted-{kind}-torch211-x", "--only", ",".join(ids)]
 
 
+def test_stale_fit_boards_are_listed_with_the_search_that_makes_them_again(monkeypatch) -> None:
+    """tools/repredict_stale.py, the fit boards: after a method bump every predicted frontier whose answers have a
+    tokens/s is listed with the `bench fit --predict` command that searches it again over the board's own budgets
+    and candidates; one of stacks the model does not time (unsloth8b: QLoRA) is not."""
+    import sys
+
+    import pandas as pd
+
+    from bench.predict import steptime
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import repredict_stale
+
+    assert repredict_stale.stale_boards(RESULTS) == []  # the published boards' work is read today
+    monkeypatch.setattr(steptime, "WORK_COUNTED_SINCE", 10**6)
+    boards = {board.matrix: board for board in repredict_stale.stale_boards(RESULTS)}
+    assert {"fit3b", "fit70b", "fullft8b", "moe"} <= set(boards) and "unsloth8b" not in boards
+    fit70b = boards["fit70b"]
+    shown = pd.read_parquet(fit70b.board.parent / f"{fit70b.run_id}.parquet")
+    assert fit70b.untimed_cells > 0 and not fit70b.judged_host_ram()
+    command = fit70b.command("torch211-x", RESULTS, 2)
+    assert command[3:] == ["--results-dir", str(RESULTS), "fit", "fit70b", "--predict", "--gpu", "h100",
+                           "--budgets", ",".join(f"{b:g}" for b in sorted(shown["budget_gib"].unique())),
+                           "--max-batch", "64", "--max-seq", "32768", "--seq-step", "1024",
+                           "--run-id", "fit-fit70b-predicted-h100-torch211-x", "--jobs", "2"]
+    assert "40,80" in command
+
+
 def test_units_are_read_off_column_names() -> None:
     assert site_data.unit_of("peak_reserved_gib") == "GiB"
     assert site_data.unit_of("step_ms_p50") == "ms"
