@@ -20,6 +20,8 @@ VERSIONS ?=
 BUDGETS ?= 24,40,80
 REGRESS_BASELINE ?= regress-h100-image-a
 PREDICT_BASELINE ?= regress-predicted-h100-20261130c
+# the version set (versions/NAME.txt) PREDICT_BASELINE was predicted under: a pull request is gated under it
+PREDICT_BASELINE_VERSIONS ?= latest-2026-11-25
 PREDICT_GATE_DIR ?= .predict-gate
 PREDICT_GATE_RUN = regress-predicted-$(or $(VERSIONS),current)
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))

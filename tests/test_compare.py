@@ -148,3 +148,41 @@ def test_two_predictions_are_gated_on_their_predicted_step_time(tmp_path: Path) 
     code, report, cell_id = _gate_grown(tmp_path, "gc", *WORK, growth=0.95, baseline=GATE_BASELINE)
     assert code == 0 and "| improvement |" in next(x for x in report.splitlines() if cell_id in x)
     assert cli.main(["compare", str(GATE_BASELINE), str(GATE_BASELINE)]) == 0
+
+
+def test_the_nightly_gate_compares_with_the_baseline_the_makefile_and_tests_name() -> None:
+    """The CPU gate's workflow once pinned its own default baseline (a prediction of an older method) and a frozen
+    version set: every night it gated against the wrong run. Now the Makefile's PREDICT_BASELINE is the one baseline
+    (the workflow names none), it is the prediction these tests gate, and the nightly set is the newest releases."""
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    baseline = re.search(r"^PREDICT_BASELINE \?= (\S+)$", makefile, re.M)
+    assert baseline and GATE_BASELINE.name == f"{baseline[1]}.parquet" and GATE_BASELINE.exists()
+    workflow = (REPO / ".github" / "workflows" / "predict-gate.yml").read_text()
+    assert not re.search(r"regress-predicted-[\w-]+", workflow), "the workflow must not pin a baseline of its own"
+    assert "tools/newest_versions.py versions/nightly.txt" in workflow and "PREDICT_BASELINE_VERSIONS" in workflow
+    # a pull request is gated under the releases the baseline was predicted under: its change alone
+    baseline_set = re.search(r"^PREDICT_BASELINE_VERSIONS \?= (\S+)$", makefile, re.M)
+    assert baseline_set
+    pins = dict(line.split("==") for line in (REPO / "versions" / f"{baseline_set[1]}.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    predicted = pd.read_parquet(GATE_BASELINE).iloc[0]
+    assert pins and {name: predicted[f"{name.replace('-', '_')}_version"].split("+")[0] for name in pins} == pins
+
+
+def test_the_nightly_version_set_is_the_newest_final_release_not_yanked() -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import newest_versions
+
+    ok, yanked = [{"yanked": False}], [{"yanked": True}]
+    releases = {"2.9.1": ok, "2.10.0": ok, "2.11.0rc1": ok, "2.11.0.dev20261101": ok, "2.10.1": yanked,
+                "2.10.0.post1": ok, "not-a-version": ok, "2.12.0": []}
+    assert newest_versions.newest_release(releases) == "2.10.0.post1"  # 2.10.0 < its post release < a yanked 2.10.1
+    assert newest_versions.newest_release({"1.0.0b1": ok}) is None
+    import datetime as dt
+
+    text = newest_versions.constraints({"torch": "2.15.0", "peft": "0.21.2"}, dt.date(2026, 11, 30))
+    assert text.splitlines()[1:] == ["torch==2.15.0", "peft==0.21.2"] and text.startswith("# Newest releases")
