@@ -110,6 +110,50 @@ def test_any_models_config_json_can_be_asked_about(tmp_path: Path, capsys: pytes
     assert out.startswith("My-Llama, seq 64, batch 1, stack lora, 1 GPU") and "verdict: fits" in out
 
 
+# Architectures unlike the registry's, as a user's config.json would bring them: transformers' own defaults for the
+# model type, shrunk to a few layers and narrow widths (the sizes any of them reads; the rest stay its defaults)
+_SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, vocab_size=1024, moe_intermediate_size=128, num_experts=4, n_routed_experts=4,
+              num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+              topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+_ARCHITECTURES = {
+    "deepseek_v3": ("baseline", {"head_dim": 32}),  # multi-head latent attention and routed experts; its rope dims
+    "qwen3_next": ("gc + lora", {}),  # gated DeltaNet linear attention beside full attention layers, experts
+    "falcon_h1": ("gc", {}),  # Mamba-2 mixers beside attention (LoRA: peft refuses the Mamba projections it targets)
+    "gpt_oss": ("eager_attention + lora", {}),  # attention sinks: no sdpa in transformers, so eager
+    "gemma3_text": ("gc", {}),  # sliding-window layers beside global ones
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_ARCHITECTURES))
+def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        model_type: str) -> None:
+    """`bench ask` on a config.json of an architecture the registry lacks predicts its step, and the step holds the
+    whole model: the weights at the peak are the parameters' bytes (bf16; LoRA's adapters fp32), AdamW's two moments
+    twice the weights where every parameter trains. Of 37 causal-LM model types of transformers 5.24 tried so on 2026-11-30, every one was
+    predicted (gemma2 and gpt_oss with eager attention, as the answer without it says)."""
+    from transformers import AutoConfig
+
+    stack, extra = _ARCHITECTURES[model_type]
+    config = AutoConfig.for_model(model_type).to_dict()
+    config |= {key: value for key, value in _SMALL.items() if key in config} | extra
+    config |= {key: None for key in ("layer_types", "mlp_only_layers") if isinstance(config.get(key), list)}
+    config |= {key: 1 for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]}
+    path = tmp_path / model_type / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    code, out = _ask(tmp_path, capsys, str(path), "--seq", "128", "--stack", stack, "--json")
+    row = json.loads(out)["predicted"]
+    assert code == 0 and row["status"] == "ok", out
+    weights_bytes = row["at_peak_weights_gib"] * 2**30
+    adapters = row["trainable_params"] if "lora" in stack else 0  # peft makes LoRA's adapters fp32
+    assert weights_bytes == pytest.approx(2 * (row["total_params"] - adapters) + 4 * adapters, rel=0.002)
+    if stack == "gc":  # every parameter trained, its AdamW moments bf16 like it
+        assert row["at_peak_optimizer_state_gib"] * 2**30 == pytest.approx(2 * weights_bytes, rel=0.01)
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("not json", "not a readable config.json"),
     ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),
