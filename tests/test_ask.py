@@ -131,8 +131,8 @@ def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: 
                                                         model_type: str) -> None:
     """`bench ask` on a config.json of an architecture the registry lacks predicts its step, and the step holds the
     whole model: the weights at the peak are the parameters' bytes (bf16; LoRA's adapters fp32), AdamW's two moments
-    twice the weights where every parameter trains. Of 37 causal-LM model types of transformers 5.24 tried so on 2026-11-30, every one was
-    predicted (gemma2 and gpt_oss with eager attention, as the answer without it says)."""
+    twice the weights where every parameter trains. Of 37 causal-LM model types of transformers 5.24 tried so on
+    2026-11-30, every one was predicted (gemma2 and gpt_oss with eager attention, as the answer without it says)."""
     from transformers import AutoConfig
 
     stack, extra = _ARCHITECTURES[model_type]

@@ -108,13 +108,15 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
                                           "gc + qlora", "galore(rank=8)", "apollo(rank=8)",
                                           "apollo(rank=1, scale_type=tensor)", "adafactor",
                                           "adafactor(impl=forloop)"]),
-    *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora"]),
+    *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora",
+                                          "mixed"]),
 ])
 def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> None:
     """Step for step, phase for phase: the same bytes alive on fake tensors as on real CPU tensors
     (the real run's model is built on the CPU under the counter), the same roles at the peak. A mixture of
     experts too (tiny OLMoE: transformers' fused experts routed top-k, peft adapting each expert under
-    all-linear): its routing's data-dependent indices run on fake tensors as on real ones."""
+    all-linear): its routing's data-dependent indices run on fake tensors as on real ones; under `mixed` its fp32
+    experts' grouped matmuls, which torch 2.11-2.14's meta kernel refused (bench/predict/grouped_mm.py)."""
     cell = make_cell(SMOKE, "cpu", model, 64, 2, parse_stack(stack))
     fake_counter, fake_built, fake_state = fake.counted_run(cell, Workspaces())
     real_counter, real_built, real_state = fake.counted_run(cell, Workspaces(), fake=False)
@@ -126,6 +128,33 @@ def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> N
     assert fake_state == real_state > 0
 
 
+
+
+def test_fp32_experts_are_predicted_as_cudas_fallback_runs_them_and_their_step_is_not_timed() -> None:
+    """A mixture of experts under `mixed`: its fp32 grouped matmuls take CUDA's fallback (a synchronisation and a
+    matmul an expert each call), so the prediction has its memory and no step time, and says why; in bf16 the
+    same model's grouped matmuls take the one-kernel path and its step is timed."""
+    import json
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.predict import grouped_mm
+    from bench.predict.flops import FlopCount
+
+    with FakeTensorMode(), grouped_mm.as_cuda_runs(), FlopCount() as counted:
+        rows = torch.empty(10, 16, dtype=torch.float32)
+        experts = torch.empty(3, 16, 8, dtype=torch.float32)
+        offsets = torch.tensor([3, 7, 10], dtype=torch.int32)
+        out = torch._grouped_mm(rows, experts, offs=offsets)
+        assert out.shape == (10, 8) and out.dtype == torch.float32
+        torch._grouped_mm(rows.bfloat16(), experts.bfloat16(), offs=offsets)
+    assert counted.work().grouped_mm_fallbacks == 1
+    mixed = fake.fake_run(make_cell(SMOKE, "cuda", "tiny-olmoe", 64, 2, parse_stack("mixed")), gpus.GPUS["h100"])
+    assert json.loads(mixed["evidence_json"])[grouped_mm.FALLBACK_CALLS] > 0 and "step_ops" not in mixed
+    assert mixed["peak_allocated_gib"] > 0
+    plain = fake.fake_run(make_cell(SMOKE, "cuda", "tiny-olmoe", 64, 2, parse_stack("baseline")), gpus.GPUS["h100"])
+    assert grouped_mm.FALLBACK_CALLS not in json.loads(plain["evidence_json"]) and plain["step_ops"] > 0
 
 
 @pytest.mark.parametrize("tied", [True, False])

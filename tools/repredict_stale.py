@@ -23,6 +23,7 @@ something still is), 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import subprocess
@@ -37,7 +38,7 @@ sys.path[:0] = [str(REPO)]
 import pandas as pd  # noqa: E402
 
 from bench import results  # noqa: E402
-from bench.predict import steptime  # noqa: E402
+from bench.predict import grouped_mm, steptime  # noqa: E402
 from bench.site import data  # noqa: E402
 from bench.stacks import Stack, parse_stack  # noqa: E402
 
@@ -64,11 +65,13 @@ def commands(found: dict[tuple[str, str], list[str]], run_suffix: str, results_d
 
 
 def untimed(row: dict, stack: Stack) -> bool:
-    """The model times the row's stack on its GPU kind, but cannot read the row's work (counted by an older method)."""
+    """The model times the row's stack on its GPU kind, but cannot read the row's work (counted by an older method);
+    not a step the fake run saw run CUDA's grouped-matmul fallback (its evidence), which is never timed."""
     rates = steptime.RATES.get(str(row.get("gpu_kind", "")))
     gpus = int(row.get("gpus") or 1)
     return (rates is not None and steptime.unsupported_reason(stack, gpus, rates) is None
-            and steptime.cell_work(row, stack) is None)
+            and steptime.cell_work(row, stack) is None
+            and not grouped_mm.untimed_reason(json.loads(row.get("evidence_json") or "{}")))
 
 
 @dataclass(frozen=True)

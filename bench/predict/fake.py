@@ -63,6 +63,7 @@ from . import (
     ddp,
     embedding,
     fsdp_offload,
+    grouped_mm,
     hybrid,
     int8,
     liger,
@@ -162,6 +163,9 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     """The prediction's figures: the cell's steps on fake tensors, counted for this GPU kind."""
     counter, built, optimizer_state_gib = counted_for(cell, gpu)
     at_peak = counter.breakdown(counter.peak)
+    work = counter.steps[-1].work
+    if work is not None and work.grouped_mm_fallbacks:
+        built.evidence[grouped_mm.FALLBACK_CALLS] = work.grouped_mm_fallbacks
     reserved = reserved_columns(cell, counter, gpu)
     return {
         **reserved,
@@ -176,7 +180,7 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         "total_params": built.total_params,
         "trainable_params": built.trainable_params,
         "flops_per_token": built.flops_per_token,
-        **_work(cell, counter.steps[-1].work, gpu, built.trainable_params),
+        **_work(cell, work, gpu, built.trainable_params),
         "allocations": len(counter.records),
         "evidence_json": json.dumps(built.evidence, sort_keys=True, default=str),
         "phase_timeline_json": json.dumps(_timeline(counter)),
@@ -187,8 +191,9 @@ def fake_run(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 def _work(cell: Cell, work: StepWork | None, gpu: GpuKind, trainable_params: int) -> dict[str, Any]:
     """The last step's work (a steady one): its FLOPs, and what its time is predicted from, and that time at
     the GPU kind's rates of the day (bench/predict/steptime.py; kept, so a later fit cannot make it in-sample);
-    none where kernels the dispatcher does not see do work it cannot count."""
-    if work is None or set(cell.stack.names) & UNCOUNTED_FLOPS:
+    none where kernels the dispatcher does not see do work it cannot count, or where CUDA runs a grouped matmul by
+    its fallback (bench/predict/grouped_mm.py: a synchronisation each call; the evidence says how many)."""
+    if work is None or set(cell.stack.names) & UNCOUNTED_FLOPS or work.grouped_mm_fallbacks:
         return {}
     columns = {"step_tflop": work.flops / 1e12, "step_ops": work.ops, "step_kernels": work.kernels,
                "step_compute_tflop": work.compute_flops / 1e12, "step_memory_gb": work.memory_bytes / 1e9}
@@ -360,7 +365,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
-            int8.predicting(cell, built.model), compiled.predicting(cell.stack), FakeTensorMode() as mode, counter:
+            int8.predicting(cell, built.model), compiled.predicting(cell.stack), grouped_mm.as_cuda_runs(), \
+            FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)

@@ -24,7 +24,7 @@ from typing import Any
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import rng_ops
+from . import grouped_mm, rng_ops
 from .steptime import StepWork
 
 # Where a roofline turns from memory-bound to compute-bound, FLOPs a byte moved: an H100's or H200's dense bf16 rate
@@ -182,6 +182,7 @@ class FlopCount(TorchDispatchMode):
         self.kernels = 0
         self.compute_flops = 0
         self.memory_bytes = 0
+        self.grouped_mm_fallbacks = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -191,6 +192,7 @@ class FlopCount(TorchDispatchMode):
         if func.namespace in NOT_OPS_NAMESPACES:
             return out
         self.ops += 1
+        self.grouped_mm_fallbacks += grouped_mm.takes_fallback(func, args, kwargs)
         known = self.kernel_work(func, args, kwargs)
         if known is not None:
             for flops, moved in known:
@@ -228,7 +230,8 @@ class FlopCount(TorchDispatchMode):
         return sum(_nbytes(t) for t in written)
 
     def work(self) -> StepWork:
-        return StepWork(self.flops, self.ops, self.kernels, self.compute_flops, self.memory_bytes)
+        return StepWork(self.flops, self.ops, self.kernels, self.compute_flops, self.memory_bytes,
+                        grouped_mm_fallbacks=self.grouped_mm_fallbacks)
 
     @staticmethod
     def _run_flops(func: Any, args: Any, kwargs: Any, flops: int) -> int:

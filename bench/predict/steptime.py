@@ -58,6 +58,7 @@ class StepWork:
     memory_bytes: int  # bytes read and written by the memory-bound ones
     optimizer_8bit_params: int = 0  # trainable parameters bitsandbytes' 8-bit optimizer steps (cell_work)
     host_techniques: frozenset[str] = frozenset()  # the stack's techniques with a host factor (cell_work)
+    grouped_mm_fallbacks: int = 0  # grouped matmuls CUDA runs by its fallback: a sync each (bench/predict/grouped_mm.py)
 
 
 @dataclass(frozen=True)
