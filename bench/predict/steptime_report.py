@@ -85,7 +85,9 @@ def section(both: pd.DataFrame, before: pd.DataFrame) -> list[str]:
                  "kept by the newest prediction made before the GPU ran the cell (fake-run/14 on), at the rates of its "
                  "day: no fit had seen the measurement. Offload, ZeRO, QLoRA and LLM.int8 bases, cut cross-entropy, "
                  "torch.compile with Liger and torchao's compiled step, selective checkpointing's op policy (a Python "
-                 "dispatch mode on every op) and several-rank cells are not timed; torch.compile's cells are, from "
+                 "dispatch mode on every op), a mixture of experts' fp32 grouped matmuls (mixed precision: CUDA's "
+                 "fallback synchronises the device each call) and several-rank cells are not timed; torch.compile's "
+                 "cells are, from "
                  "the kernels of the code inductor generates for the CPU, each reading or writing its tensors once. "
                  "bitsandbytes' 8-bit optimizer step, slower than its bytes say, adds a fifth rate: device time a "
                  "trainable parameter, fitted to its cells alone.",
