@@ -118,7 +118,8 @@ _SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_a
               topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
 _ARCHITECTURES = {
-    "deepseek_v3": ("baseline", {"head_dim": 32}),  # multi-head latent attention and routed experts; its rope dims
+    # multi-head latent attention (as many key heads as query heads; its head_dim the rope's) and routed experts
+    "deepseek_v3": ("mixed", {"head_dim": 32, "num_key_value_heads": 4}),  # fp32 experts: CUDA's grouped-mm fallback
     "qwen3_next": ("gc + lora", {}),  # gated DeltaNet linear attention beside full attention layers, experts
     "falcon_h1": ("gc", {}),  # Mamba-2 mixers beside attention (LoRA: peft refuses the Mamba projections it targets)
     "gpt_oss": ("eager_attention + lora", {}),  # attention sinks: no sdpa in transformers, so eager
@@ -130,9 +131,10 @@ _ARCHITECTURES = {
 def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         model_type: str) -> None:
     """`bench ask` on a config.json of an architecture the registry lacks predicts its step, and the step holds the
-    whole model: the weights at the peak are the parameters' bytes (bf16; LoRA's adapters fp32), AdamW's two moments
-    twice the weights where every parameter trains. Of 37 causal-LM model types of transformers 5.24 tried so on
-    2026-11-30, every one was predicted (gemma2 and gpt_oss with eager attention, as the answer without it says)."""
+    whole model: the weights at the peak are the parameters' bytes (bf16, fp32 under mixed; LoRA's adapters fp32),
+    AdamW's two moments twice the weights where every parameter trains. Of 37 causal-LM model types of transformers
+    5.24 tried so on 2026-11-30, every one was predicted (gemma2 and gpt_oss with eager attention, as the answer
+    without it says; DeepSeek-V3, Qwen3-MoE and Qwen3-Next under `mixed` since fake-run/27)."""
     from transformers import AutoConfig
 
     stack, extra = _ARCHITECTURES[model_type]
@@ -149,7 +151,8 @@ def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: 
     assert code == 0 and row["status"] == "ok", out
     weights_bytes = row["at_peak_weights_gib"] * 2**30
     adapters = row["trainable_params"] if "lora" in stack else 0  # peft makes LoRA's adapters fp32
-    assert weights_bytes == pytest.approx(2 * (row["total_params"] - adapters) + 4 * adapters, rel=0.002)
+    base_bytes = 4 if stack == "mixed" else 2  # mixed precision keeps fp32 weights
+    assert weights_bytes == pytest.approx(base_bytes * (row["total_params"] - adapters) + 4 * adapters, rel=0.002)
     if stack == "gc":  # every parameter trained, its AdamW moments bf16 like it
         assert row["at_peak_optimizer_state_gib"] * 2**30 == pytest.approx(2 * weights_bytes, rel=0.01)
 
