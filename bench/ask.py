@@ -34,7 +34,7 @@ import pandas as pd
 
 from . import envinfo, fit, models, results, spec
 from .cells import Cell
-from .predict import gpus, grouped_mm, steptime
+from .predict import gpus, steptime
 from .predict import report as predict_report
 from .predict import runner as predict_runner
 
@@ -310,8 +310,7 @@ def _step_time_line(a: Answer) -> str:
     rates = steptime.RATES.get(a.card.key)
     if ms is None:
         why = (f"no {a.card.name} has measured steps to fit its rates on" if rates is None else
-               steptime.unsupported_reason(a.cell.stack, a.cell.gpus, rates)
-               or grouped_mm.untimed_reason(json.loads(a.predicted.get("evidence_json") or "{}"))
+               steptime.row_unsupported_reason(a.predicted, a.cell.stack, a.cell.gpus, rates)
                or "the step's work was not counted")
         return f"  step time       not predicted: {why}"
     work = steptime.cell_work(a.predicted, a.cell.stack)

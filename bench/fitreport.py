@@ -170,20 +170,37 @@ def refresh_predicted(results_dir: Path) -> list[Path]:
     the run it shows, nothing searched and the tables untouched: its tokens/s are at the step time rates fitted now
     (`step_ms_now`), so a refit of the rates reaches the boards. Returns the boards rendered."""
     rendered = []
-    for board in sorted(results_dir.glob("*/fit/FIT-predicted.md")):
-        shown = re.search(r"run `([^`]+)`", board.read_text())
-        if shown is None:
-            continue
-        summary, predictions = (board.parent / f"{shown[1]}{tail}.parquet" for tail in ("", "-predictions"))
-        if not (summary.exists() and predictions.exists()):
-            continue
-        frame = results.read_parquet(predictions, results.PREDICTED)
+    for board in predicted_boards(results_dir):
+        frame = results.read_parquet(board.predictions, results.PREDICTED)
         gpu = gpus.GPUS.get(str(frame["gpu_kind"].iloc[0])) if len(frame) else None
         if gpu is None:
             continue
-        board.write_text(markdown_predicted(pd.read_parquet(summary), frame, gpu.name))
-        rendered.append(board)
+        board.path.write_text(markdown_predicted(pd.read_parquet(board.summary), frame, gpu.name))
+        rendered.append(board.path)
     return rendered
+
+
+@dataclass(frozen=True)
+class PredictedBoard:
+    """A published predicted frontier: its board and the tables of the run it shows."""
+
+    path: Path  # results/MATRIX/fit/FIT-predicted.md
+    run_id: str
+    summary: Path  # RUN_ID.parquet: one row per search
+    predictions: Path  # RUN_ID-predictions.parquet: every cell predicted
+
+
+def predicted_boards(results_dir: Path) -> list[PredictedBoard]:
+    """Every predicted frontier's board whose run's tables are there (the run a board shows is named in it)."""
+    found = []
+    for path in sorted(results_dir.glob("*/fit/FIT-predicted.md")):
+        shown = re.search(r"run `([^`]+)`", path.read_text())
+        if shown is None:
+            continue
+        board = PredictedBoard(path, shown[1], *(path.parent / f"{shown[1]}{tail}.parquet" for tail in ("", "-predictions")))
+        if board.summary.exists() and board.predictions.exists():
+            found.append(board)
+    return found
 
 
 def _context_unmeasured(predictions: pd.DataFrame, gpu_name: str) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 from bench import models, results, segments, spec, trainer
 from bench.cells import make_cell
 from bench.checkpoints import random_checkpoint
-from bench.predict import bnb, fake, gpus, hybrid, zero_backward, zero_layout, zero_states
+from bench.predict import bnb, fake, gpus, hybrid, steptime, zero_backward, zero_layout, zero_states
 from bench.predict import runner as predict_runner
 from bench.predict.counter import BLOCK_BYTES, GradientReady, MemoryCounter, Peak, Workspaces, rounded
 from bench.predict.pinned import PinnedHostCache, block_bytes
@@ -153,8 +153,11 @@ def test_fp32_experts_are_predicted_as_cudas_fallback_runs_them_and_their_step_i
     mixed = fake.fake_run(make_cell(SMOKE, "cuda", "tiny-olmoe", 64, 2, parse_stack("mixed")), gpus.GPUS["h100"])
     assert json.loads(mixed["evidence_json"])[grouped_mm.FALLBACK_CALLS] > 0 and "step_ops" not in mixed
     assert mixed["peak_allocated_gib"] > 0
+    h100 = steptime.RATES["h100"]
+    assert steptime.row_unsupported_reason(mixed, parse_stack("mixed"), 1, h100) == grouped_mm.UNTIMED  # bench ask's
     plain = fake.fake_run(make_cell(SMOKE, "cuda", "tiny-olmoe", 64, 2, parse_stack("baseline")), gpus.GPUS["h100"])
     assert grouped_mm.FALLBACK_CALLS not in json.loads(plain["evidence_json"]) and plain["step_ops"] > 0
+    assert steptime.row_unsupported_reason(plain, parse_stack("baseline"), 1, h100) is None
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -23,8 +23,6 @@ something still is), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import shlex
 import subprocess
 import sys
@@ -37,8 +35,8 @@ sys.path[:0] = [str(REPO)]
 
 import pandas as pd  # noqa: E402
 
-from bench import results  # noqa: E402
-from bench.predict import grouped_mm, steptime  # noqa: E402
+from bench import fitreport, results  # noqa: E402
+from bench.predict import steptime  # noqa: E402
 from bench.site import data  # noqa: E402
 from bench.stacks import Stack, parse_stack  # noqa: E402
 
@@ -69,9 +67,8 @@ def untimed(row: dict, stack: Stack) -> bool:
     not a step the fake run saw run CUDA's grouped-matmul fallback (its evidence), which is never timed."""
     rates = steptime.RATES.get(str(row.get("gpu_kind", "")))
     gpus = int(row.get("gpus") or 1)
-    return (rates is not None and steptime.unsupported_reason(stack, gpus, rates) is None
-            and steptime.cell_work(row, stack) is None
-            and not grouped_mm.untimed_reason(json.loads(row.get("evidence_json") or "{}")))
+    return (rates is not None and steptime.row_unsupported_reason(row, stack, gpus, rates) is None
+            and steptime.cell_work(row, stack) is None)
 
 
 @dataclass(frozen=True)
@@ -104,17 +101,13 @@ class StaleBoard:
 def stale_boards(results_dir: Path) -> list[StaleBoard]:
     """The predicted fit boards (results/*/fit/FIT-predicted.md) whose shown run has an untimed prediction."""
     found = []
-    for board in sorted(results_dir.glob("*/fit/FIT-predicted.md")):
-        shown = re.search(r"run `([^`]+)`", board.read_text())
-        paths = [board.parent / f"{shown[1]}{tail}.parquet" for tail in ("", "-predictions")] if shown else []
-        if not shown or not all(path.exists() for path in paths):
-            continue
-        predictions = results.read_parquet(paths[1], results.PREDICTED)
+    for board in fitreport.predicted_boards(results_dir):
+        predictions = results.read_parquet(board.predictions, results.PREDICTED)
         ok = [row for row in predictions.to_dict("records") if row.get("status") == "ok"]
         untimed_cells = sum(untimed(row, parse_stack(str(row["stack"]))) for row in ok)
         if untimed_cells:
-            found.append(StaleBoard(board, str(ok[0]["matrix"]), str(ok[0]["gpu_kind"]), shown[1], untimed_cells,
-                                    pd.read_parquet(paths[0])))
+            found.append(StaleBoard(board.path, str(ok[0]["matrix"]), str(ok[0]["gpu_kind"]), board.run_id,
+                                    untimed_cells, pd.read_parquet(board.summary)))
     return found
 
 

@@ -35,6 +35,7 @@ the others (`fit`).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from . import grouped_mm
 
 if TYPE_CHECKING:
     from ..stacks import Stack
@@ -308,6 +311,14 @@ def unsupported_reason(stack: Stack, gpus: int, rates: StepRates | None = None) 
         return (f"{', '.join(slower)}: bitsandbytes' 8-bit optimizer step runs slower than its bytes say, and no "
                 "measured cell of it on this GPU kind fits its rate")
     return None
+
+
+def row_unsupported_reason(row: Mapping[str, Any], stack: Stack, gpus: int, rates: StepRates | None = None) -> str | None:
+    """Why a prediction's step time is not predicted: its stack's reason (`unsupported_reason`), else what its fake run
+    saw (its evidence: grouped matmuls CUDA runs by its synchronising fallback, bench/predict/grouped_mm.py)."""
+    evidence = row.get("evidence_json")
+    return unsupported_reason(stack, gpus, rates) or grouped_mm.untimed_reason(
+        json.loads(evidence) if isinstance(evidence, str) and evidence else {})
 
 
 # Where the fit starts: a GPU of the H100's class (how each cell is first judged device- or host-bound).
