@@ -1982,6 +1982,36 @@ def test_a_threads_cublas_workspace_is_taken_after_its_first_gemms_output() -> N
     del first, second
 
 
+def test_from_torch_2_15_each_cublas_gemm_takes_its_workspace_and_gives_it_back() -> None:
+    """torch 2.15's CUDA build takes a GEMM's workspace from the caching allocator after its output and gives it
+    back as the call returns (bench/predict/cublas.py); an addmm whose bias rides in cuBLASLt's epilogue keeps Lt's
+    own 1 MiB workspace for its thread instead. Releases before keep one workspace per thread."""
+    import torch
+
+    from bench.predict import cublas
+
+    assert cublas.for_gpu(32 * 2**20, "2.14.1+cu130") == Workspaces(32 * 2**20)
+    assert cublas.for_gpu(32 * 2**20, "2.11.0+cu130") == Workspaces(32 * 2**20)
+    for release in ("2.15.0+cu132", "2.15.0", "2.16.0.dev20261130+cpu"):
+        assert cublas.for_gpu(32 * 2**20, release) == Workspaces(32 * 2**20, per_call=True, lt_bytes_per_thread=2**20)
+    a, b, bias = torch.ones(64, 64), torch.ones(64, 64), torch.ones(64)
+    wide = bias.expand(64, 64).contiguous()
+    with MemoryCounter(cublas.for_gpu(32 * 2**20, "2.15.0")) as counter:
+        first, second = a @ b, a @ b
+        third, fourth = torch.addmm(bias, a, b), torch.addmm(bias, a, b)  # Lt: the bias fused
+        fifth = torch.addmm(wide, a, b)  # a bias of two dimensions: cuBLAS
+    made = [(r.op, r.nbytes, r.freed is not None) for r in counter.records]
+    assert made == [
+        ("mm", 64 * 64 * 4, False), ("mm (cublas workspace)", 32 * 2**20, True),
+        ("mm", 64 * 64 * 4, False), ("mm (cublas workspace)", 32 * 2**20, True),
+        ("addmm", 64 * 64 * 4, False), ("cublaslt workspace (forward thread)", 2**20, False),
+        ("addmm", 64 * 64 * 4, False),
+        ("addmm", 64 * 64 * 4, False), ("addmm (cublas workspace)", 32 * 2**20, True)]
+    workspace = counter.records[1]
+    assert workspace.role == "workspace" and workspace.freed == workspace.made + 1  # given back before the next op
+    del first, second, third, fourth, fifth
+
+
 @pytest.mark.parametrize("optimizer_too", [True, False])
 def test_offloaded_zero3_parameters_leave_their_own_pinned_partitions_in_torchs_cache(optimizer_too: bool) -> None:
     """ZeRO-3 with its parameters on the host pins each parameter's 16-bit partition alone as it

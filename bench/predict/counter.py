@@ -14,7 +14,7 @@ has shown it:
 - activation: made during a forward pass and still alive when backward begins (saved for
   backward, or kept as a checkpointed layer's input);
 - input: the batches;
-- workspace: cuBLAS workspaces (see `Workspaces`), which no fake kernel allocates;
+- workspace: cuBLAS workspaces (bench/predict/cublas.py), which no fake kernel allocates;
 - temporary: anything else (backward's intermediates, a step's scratch, and a GPU kernel's own
   scratch that its fake kernel does not allocate: `KernelScratch`).
 
@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..measure import storage_tensors
-from . import rng_ops
+from . import cublas, rng_ops
+from .cublas import Workspaces
 from .pinned import PinnedHostCache
 from .steptime import StepWork
 
@@ -47,9 +48,6 @@ BLOCK_BYTES = 512  # the caching allocator rounds every request up to a multiple
 # host memory (an optimizer stepping on the CPU), CUDA managed memory (a paged optimizer's state)
 POOLS = ("pinned", "pageable", "managed")
 ROLES = ("weight", "gradient", "optimizer_state", "activation", "input", "workspace", "temporary")
-# Ops that run a cuBLAS GEMM on CUDA: the first one in a thread makes that thread's handle and workspace.
-CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
-                        "_addmm_activation", "gemm_4bit"})  # bitsandbytes' 4-bit matmul: F.linear on training shapes
 
 
 def rounded(nbytes: int) -> int:
@@ -114,20 +112,6 @@ class StepEnd:
 
 
 @dataclass(frozen=True)
-class Workspaces:
-    """cuBLAS workspaces: PyTorch gives each (thread, stream) that runs a GEMM a cuBLAS handle with a
-    workspace taken from the caching allocator and kept for the process's life (its size: 32 MiB on
-    compute capability 9.0 and newer, 4096 KiB x 2 + 16 KiB x 8 before, unless CUBLAS_WORKSPACE_CONFIG
-    says otherwise). A training step runs GEMMs on two threads: forward on the Python thread, backward
-    on autograd's device thread, so the second workspace appears with the first GEMM of backward."""
-
-    bytes_per_thread: int = 0  # 0: none (a real CPU run)
-
-    def thread_of(self, where: str) -> str:
-        return "backward" if where.endswith("/backward") else "forward"
-
-
-@dataclass(frozen=True)
 class Scratch:
     """Bytes an op's GPU kernel allocates and frees inside the op, which its fake kernel does not, in
     the order it allocates them: `before` its outputs (bitsandbytes' 4-bit matmul dequantizes the
@@ -158,12 +142,12 @@ def all_scratch(*kernels: KernelScratch) -> KernelScratch:
 class MemoryCounter(TorchDispatchMode):
     supports_higher_order_operators = True  # compiled code's random-state wrappers (bench/predict/rng_ops.py)
 
-    def __init__(self, workspaces: Workspaces = Workspaces(), kernel_scratch: KernelScratch = no_scratch):
+    def __init__(self, workspaces: Workspaces = cublas.NONE, kernel_scratch: KernelScratch = no_scratch):
         super().__init__()
         self.kernel_scratch = kernel_scratch
         self.records: list[Record] = []
         self._record_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> index in records
-        self._threads_with_workspace: set[str] = set()
+        self._threads_with_workspace: set[tuple[str, str]] = set()  # (thread, cublas | cublaslt)
         self.workspaces = workspaces
         self.live_bytes = 0
         self.events = 0
@@ -233,10 +217,14 @@ class MemoryCounter(TorchDispatchMode):
         made = [self._scratch(nbytes, op) for nbytes in scratch.before]
         try:
             out = self._dispatch(func, op, args, kwargs or {})
-            if self.workspaces.bytes_per_thread and op in CUBLAS_OPS:
-                # the GEMM asks for its thread's handle once its outputs exist (the GPU's traces: the mm's
-                # output, then the workspace)
-                self._workspace_for(self.workspaces.thread_of(self.where))
+            # a GEMM asks for its workspace once its outputs exist (the GPU's traces: the mm's output, then the
+            # workspace): its thread's, kept, or (torch >= 2.15) one of its own, given back as it returns
+            kept = self.workspaces.kept(op, args, kwargs or {})
+            if kept is not None:
+                self._workspace_for(self.workspaces.thread_of(self.where), *kept)
+            per_call = self.workspaces.per_call_bytes(op, args, kwargs or {})
+            if per_call:
+                made.append(self._scratch(per_call, op, "cublas workspace", role="workspace"))
             made += [self._scratch(nbytes, op) for nbytes in scratch.after]
             return out
         finally:
@@ -263,9 +251,9 @@ class MemoryCounter(TorchDispatchMode):
             self.track(tensor, op)
         return out
 
-    def _scratch(self, nbytes: int, op: str) -> int:
+    def _scratch(self, nbytes: int, op: str, what: str = "scratch", role: str | None = None) -> int:
         """An allocation a GPU kernel makes and frees inside its op, which its fake kernel does not."""
-        self.records.append(Record(rounded(nbytes), -1, self.where, f"{op} (scratch)",
+        self.records.append(Record(rounded(nbytes), -1, self.where, f"{op} ({what})", role=role,
                                    stream=self._stream()))
         self._count(len(self.records) - 1)
         return len(self.records) - 1
@@ -425,10 +413,10 @@ class MemoryCounter(TorchDispatchMode):
             self.records[result].made = self.records[result].freed = self.events
             self.events += 1
 
-    def _workspace_for(self, thread: str) -> None:
-        if thread not in self._threads_with_workspace:
-            self._threads_with_workspace.add(thread)
-            self.records.append(Record(self.workspaces.bytes_per_thread, -1, self.where, f"cublas workspace ({thread} thread)",
+    def _workspace_for(self, thread: str, kind: str, nbytes: int) -> None:
+        if (thread, kind) not in self._threads_with_workspace:
+            self._threads_with_workspace.add((thread, kind))
+            self.records.append(Record(nbytes, -1, self.where, f"{kind} workspace ({thread} thread)",
                                        role="workspace", stream=self._stream()))
             self._count(len(self.records) - 1)
 

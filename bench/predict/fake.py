@@ -20,7 +20,8 @@ The build is the worker's (bench/trainer.py), so what is predicted is what would
 Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flash attention for
 CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
 non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
-the counter from the GPU kind: cuBLAS workspaces (bench/predict/gpus.py), and the scratch some CUDA
+the counter from the GPU kind: cuBLAS workspaces (bench/predict/cublas.py: their size by the GPU kind, how
+long they live by the torch release), and the scratch some CUDA
 kernels allocate inside their op (the attention's backward, cuDNN's or flash's: bench/predict/attention.py;
 a column sum's partial sums: bench/predict/reduction.py; an embedding's backward over more than 3,072
 indices: bench/predict/embedding.py; bitsandbytes' 4-bit matmul: bench/predict/bnb.py, and its 8-bit one:
@@ -60,6 +61,7 @@ from . import (
     bnb,
     cce,
     compiled,
+    cublas,
     ddp,
     embedding,
     fsdp_offload,
@@ -333,8 +335,8 @@ def counted_for(cell: Cell, gpu: GpuKind) -> tuple[MemoryCounter, trainer.Built,
     runs where the fake run sees one op."""
     scratch = all_scratch(bnb.gemm_4bit_scratch(gpu), int8.kernel_scratch, attention.backward_scratch(gpu),
                           lowrank.svd_scratch, reduction.column_sum_scratch, embedding.backward_scratch)
-    return counted_run(cell, Workspaces(gpu.cublas_workspace_bytes), kernel_scratch=scratch,
-                       kernel_work=bnb.gemm_4bit_kernels(gpu))
+    workspaces = cublas.for_gpu(gpu.cublas_workspace_bytes)  # as the GPU host's torch, this one's release, keeps them
+    return counted_run(cell, workspaces, kernel_scratch=scratch, kernel_work=bnb.gemm_4bit_kernels(gpu))
 
 
 def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,

@@ -31,7 +31,7 @@ from ..spec import MatrixSpec
 from . import gpus
 from . import report as predict_report  # not `report`: _run's callback is named so
 
-METHOD = "fake-run/27"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
+METHOD = "fake-run/28"  # bump when what a prediction counts changes (2: reserved memory replayed; 3: flash
 # attention backward's scratch; 4: a pool per stream, which moves only cells with a second stream: FSDP2's;
 # 5: an empty tensor takes no block, which moves only cells that make one: FSDP2's; 6: a tied output
 # embedding made whole then freed by the build, which moves only models with tied embeddings built from
@@ -87,7 +87,9 @@ METHOD = "fake-run/27"  # bump when what a prediction counts changes (2: reserve
 # (step_memory_gb) of every cell that steps fused AdamW, no memory figure; 27: a mixture of experts' grouped matmuls
 # in fp32 (`mixed`) predicted as CUDA's fallback runs them (bench/predict/grouped_mm.py: torch 2.11-2.14's meta
 # kernel refused them), their step untimed (a device synchronisation a call), which moves only those cells, an
-# error before; every other cell's count as fake-run/26's, so steptime.WORK_COUNTED_SINCE stays 26)
+# error before; every other cell's count as fake-run/26's, so steptime.WORK_COUNTED_SINCE stays 26; 28: torch 2.15's
+# cuBLAS workspaces, taken by each GEMM and given back as it returns (bench/predict/cublas.py), which moves only
+# predictions made under torch 2.15 or newer: those before it kept two for the process's life, as 2.11-2.14 do)
 
 
 @dataclass(frozen=True)
