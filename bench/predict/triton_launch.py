@@ -60,7 +60,8 @@ def traced_by_dynamo() -> Iterator[None]:
     dynamo_log = logging.getLogger("torch._dynamo")
     dynamo_log.addFilter(_mutation_analysis_failed)
     try:
-        with mock.patch.object(torch.utils._triton, "has_triton", lambda: True), \
+        # torch 2.15 asks has_triton(include_cpu=True); 2.11-2.14 ask it with no argument
+        with mock.patch.object(torch.utils._triton, "has_triton", lambda **where: True), \
                 mock.patch.object(triton.runtime.driver, "_active", _CudaTarget()), \
                 mock.patch.object(AsyncCompile, "triton", lambda self, *args, **kwargs: _NeverBuilt()):
             yield
