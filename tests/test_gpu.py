@@ -368,6 +368,37 @@ def test_the_fake_run_allocates_what_flash_attentions_backward_allocates_on_cuda
     assert _flash_backward_peak("fake") == pytest.approx(_flash_backward_peak("cuda"), abs=64 * 1024)
 
 
+def test_a_gemms_cublas_workspace_lives_as_the_model_of_this_release_says() -> None:
+    """bench/predict/cublas.py: up to torch 2.14 a GEMM on a (thread, stream) without a workspace takes one and
+    keeps it for the process's life (a handle reused from an ended thread has one already: then it takes none);
+    from 2.15 every GEMM takes one after its output and gives it back as it returns."""
+    import threading
+
+    from bench.predict import cublas, gpus
+
+    workspaces = cublas.for_gpu(gpus.GpuKind("this", "", torch.cuda.get_device_capability()).cublas_workspace_bytes)
+    a = torch.ones(256, 256, device="cuda")
+    seen: dict[str, int] = {}
+
+    def gemm() -> None:  # in a thread of its own: a handle of its own, if the pool has a fresh one
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = a @ a
+        torch.cuda.synchronize()
+        seen["output"] = out.untyped_storage().nbytes()
+        seen["during"] = torch.cuda.max_memory_allocated() - before - seen["output"]
+        seen["kept"] = torch.cuda.memory_allocated() - before - seen["output"]
+
+    thread = threading.Thread(target=gemm)
+    thread.start()
+    thread.join()
+    if workspaces.per_call:
+        assert (seen["during"], seen["kept"]) == (workspaces.bytes_per_thread, 0), (torch.__version__, seen)
+    else:
+        assert seen["during"] == seen["kept"] in (0, workspaces.bytes_per_thread), (torch.__version__, seen)
+
+
 def test_this_gpus_kind_has_its_sm_count() -> None:
     """bench/predict/gpus.py's SM counts are the datasheets'; on a GPU of a known kind, torch's count is the same."""
     from bench.predict import gpus
