@@ -24,7 +24,7 @@ import contextlib
 import functools
 import logging
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
 
@@ -53,20 +53,36 @@ def traced_by_dynamo() -> Iterator[None]:
     launch (`async_compile.triton`) are never built, their launches do nothing."""
     from unittest import mock
 
+    import torch._inductor.runtime.triton_helpers as helpers
     import torch.utils._triton
     import triton
+    from torch._dynamo.device_interface import CpuInterface
     from torch._inductor.async_compile import AsyncCompile
 
     dynamo_log = logging.getLogger("torch._dynamo")
     dynamo_log.addFilter(_mutation_analysis_failed)
     try:
-        # torch 2.15 asks has_triton(include_cpu=True); 2.11-2.14 ask it with no argument
-        with mock.patch.object(torch.utils._triton, "has_triton", lambda **where: True), \
-                mock.patch.object(triton.runtime.driver, "_active", _CudaTarget()), \
-                mock.patch.object(AsyncCompile, "triton", lambda self, *args, **kwargs: _NeverBuilt()):
+        with contextlib.ExitStack() as patches:
+            # torch 2.15 asks has_triton(include_cpu=True); 2.11-2.14 ask has_triton()
+            patches.enter_context(mock.patch.object(torch.utils._triton, "has_triton", lambda **where: True))
+            patches.enter_context(mock.patch.object(triton.runtime.driver, "_active", _CudaTarget()))
+            patches.enter_context(mock.patch.object(AsyncCompile, "triton", lambda self, *args, **kwargs: _NeverBuilt()))
+            # torch 2.15: inductor's code for a launch with options (num_warps) asks the device for Triton's backend,
+            # then filters the options by the device's target: the GPU's here
+            patches.enter_context(mock.patch.object(CpuInterface, "raise_if_triton_unavailable",
+                                                    staticmethod(lambda device=None: None)))
+            if hasattr(helpers, "try_filter_backend_options_for_target"):
+                patches.enter_context(mock.patch.object(helpers, "try_filter_backend_options_for_target",
+                                                        _for_the_gpus_target(helpers.try_filter_backend_options_for_target)))
             yield
     finally:
         dynamo_log.removeFilter(_mutation_analysis_failed)
+
+
+def _for_the_gpus_target(filter_options: Callable[..., Any]) -> Callable[..., Any]:
+    def filtered(target: Any, *args: Any, **kwargs: Any) -> Any:
+        return filter_options(_CudaTarget().get_current_target(), *args, **kwargs)
+    return filtered
 
 
 def _mutation_analysis_failed(record: logging.LogRecord) -> bool:
