@@ -7,7 +7,8 @@
 # make scenarios  results/SCENARIOS.md: the field reports answered from the published tables
 # make site     site/index.html: every published table as one page (filters, fits in N GiB, plots, detail)
 # make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
-# make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE (CPU only)
+# make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE, and every stack once
+#                    (coverage: does each still predict?) against PREDICT_COVERAGE_BASELINE (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 # make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
 # make gpu-window   the same for one window of a lent GPU: stops before BUDGET_S seconds, tars into $OUT
@@ -24,6 +25,9 @@ PREDICT_BASELINE ?= regress-predicted-h100-20261130c
 PREDICT_BASELINE_VERSIONS ?= latest-2026-11-25
 PREDICT_GATE_DIR ?= .predict-gate
 PREDICT_GATE_RUN = regress-predicted-$(or $(VERSIONS),current)
+# the coverage matrix's baseline: every stack predicted under PREDICT_BASELINE_VERSIONS
+PREDICT_COVERAGE_BASELINE ?= coverage-predicted-h100-20261130
+PREDICT_COVERAGE_RUN = coverage-predicted-$(or $(VERSIONS),current)
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
@@ -73,6 +77,11 @@ predict-gate:  # a torch / transformers / peft release that changes training mem
 	$(REGRESS_PY) -m bench compare results/regress/predicted/$(PREDICT_BASELINE).parquet \
 		$(PREDICT_GATE_DIR)/regress/predicted/$(PREDICT_GATE_RUN).parquet \
 		--out results/regress/compare/$(PREDICT_BASELINE)_vs_$(PREDICT_GATE_RUN).md
+	# every stack once: does each stack's prediction still run under these releases? (status gated; moves shown)
+	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict coverage --run-id $(PREDICT_COVERAGE_RUN) --redo --jobs 2 $(ARGS)
+	$(REGRESS_PY) -m bench compare results/coverage/predicted/$(PREDICT_COVERAGE_BASELINE).parquet \
+		$(PREDICT_GATE_DIR)/coverage/predicted/$(PREDICT_COVERAGE_RUN).parquet --status-only \
+		--out results/coverage/compare/$(PREDICT_COVERAGE_BASELINE)_vs_$(PREDICT_COVERAGE_RUN).md
 
 test:
 	$(PY) -m pytest -q

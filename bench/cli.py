@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tps-floor", type=float, default=gate.tps_floor, help="smallest tokens/s band, fraction")
     cmp.add_argument("--step-rel", type=float, default=gate.step_rel,
                      help="two predictions: allowed growth of the predicted step time, fraction")
+    cmp.add_argument("--status-only", action="store_true",
+                     help="gate the cells' statuses alone (ok, then anything else); show the rest")
     cmp.set_defaults(func=cmd_compare)
 
     scen = sub.add_parser("scenarios", help="answer the field reports from the published tables: results/SCENARIOS.md")
@@ -339,7 +341,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not set(base["cell_id"]) & set(cand["cell_id"]):
         raise spec.SpecError(f"{args.baseline} and {args.candidate} have no cell in common (other matrices or "
                              "settings): nothing to compare")
-    gate = compare.Gate(args.mem_rel, args.mem_abs_gib, args.tps_z, args.tps_floor, args.step_rel)
+    gate = compare.Gate(args.mem_rel, args.mem_abs_gib, args.tps_z, args.tps_floor, args.step_rel, args.status_only)
     diffs = compare.compare(base, cand, gate)
     text = compare.markdown(diffs, base, cand, gate)
     print(text)

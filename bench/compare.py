@@ -19,7 +19,9 @@ same cell run under two version sets pairs up.
   what moves it is the work a release dispatches (more ops, kernels, bytes, FLOPs), not a refit; it regresses
   when it grows by more than step_rel (default 2%). Cells the model does not time, or whose work either side
   did not count as now, are not gated on it.
-- Status: ok -> anything else is a regression; anything else -> ok is an improvement.
+- Status: ok -> anything else is a regression; anything else -> ok is an improvement. With `status_only`, that
+  is all that is gated (every stack of the `coverage` matrix predicted under new releases: does each still run?);
+  peaks and step times are shown, with their moves, and not gated.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Gate:
     tps_z: float = 3.0
     tps_floor: float = 0.03
     step_rel: float = 0.02
+    status_only: bool = False  # gate statuses alone; report the rest
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ def _diff(b: dict[str, Any], c: dict[str, Any] | None, columns: tuple[str, ...],
         return diff
     reasons = [r for peak in diff.peaks for r in _memory_reasons(peak, len(diff.peaks) > 1, gate)]
     reasons += _speed_reasons(diff) + _step_time_reasons(diff, gate)
+    if gate.status_only:  # the moves beyond the gate's bands, said, not judged
+        return _with(diff, "same", "; ".join(f"not gated: {why}" for _, why in reasons))
     bad = [why for kind, why in reasons if kind == "regression"]
     good = [why for kind, why in reasons if kind == "improvement"]
     if bad:
@@ -196,10 +201,12 @@ def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate
     kind = " (predictions: no GPU ran)" if predicted else ""
     speed = (f"predicted step time +{gate.step_rel:.0%} (the counted work at today's rates, both sides)" if predicted
              else f"tokens/s -max({gate.tps_floor:.0%}, {gate.tps_z:g}σ of the step-time spread)")
+    gated = (f"{_gated(diffs)} +max({gate.mem_rel:.0%}, {gate.mem_abs_gib} GiB); {speed}" if not gate.status_only else
+             "status alone (ok, then anything else); moves beyond "
+             f"+-max({gate.mem_rel:.0%}, {gate.mem_abs_gib} GiB) of a peak and {speed} are shown, not gated")
     lines = [f"# Regression check{kind}: {verdict}", "",
              f"{counts['regression']} regressed, {counts['improvement']} improved, {counts['same']} unchanged, "
-             f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: {_gated(diffs)} +max({gate.mem_rel:.0%}, "
-             f"{gate.mem_abs_gib} GiB); {speed}.",
+             f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: {gated}.",
              "", *_versions(base, cand), "", *_table(diffs, predicted)]
     return "\n".join(lines) + "\n"
 

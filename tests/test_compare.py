@@ -150,6 +150,24 @@ def test_two_predictions_are_gated_on_their_predicted_step_time(tmp_path: Path) 
     assert cli.main(["compare", str(GATE_BASELINE), str(GATE_BASELINE)]) == 0
 
 
+def test_gated_on_status_alone_a_prediction_that_stops_running_fails_and_moves_are_only_shown(tmp_path: Path) -> None:
+    """The coverage half of the CPU gate (`--status-only`): every stack predicted under new releases must still
+    run; how far its figures moved is said, not judged (the regress half judges those)."""
+    from bench import results
+
+    code, report, cell_id = _gate_grown(tmp_path, "gc", "peak_reserved_gib", growth=1.10, baseline=GATE_BASELINE)
+    assert code == 1
+    assert cli.main(["compare", str(GATE_BASELINE), str(tmp_path / "cand.parquet"), "--status-only",
+                     "--out", str(tmp_path / "status.md")]) == 0
+    report = (tmp_path / "status.md").read_text()
+    assert "PASS" in report and "Gate: status alone" in report
+    assert "| same |" in next(x for x in report.splitlines() if cell_id in x) and "not gated: reserved +" in report
+    rows = [dict(r) for r in results.read_parquet(GATE_BASELINE, results.PREDICTED).to_dict("records")]
+    rows[0] |= {"status": "error", "error": "TypeError: a release's new keyword"}
+    results.write_parquet(rows, tmp_path / "broken.parquet", results.PREDICTED)
+    assert cli.main(["compare", str(GATE_BASELINE), str(tmp_path / "broken.parquet"), "--status-only"]) == 1
+
+
 def test_the_nightly_gate_compares_with_the_baseline_the_makefile_and_tests_name() -> None:
     """The CPU gate's workflow once pinned its own default baseline (a prediction of an older method) and a frozen
     version set: every night it gated against the wrong run. Now the Makefile's PREDICT_BASELINE is the one baseline
@@ -169,6 +187,16 @@ def test_the_nightly_gate_compares_with_the_baseline_the_makefile_and_tests_name
                 if "==" in line and not line.startswith("#"))
     predicted = pd.read_parquet(GATE_BASELINE).iloc[0]
     assert pins and {name: predicted[f"{name.replace('-', '_')}_version"].split("+")[0] for name in pins} == pins
+    # its coverage half: every stack of llama3b, predicted under the same releases
+    coverage = re.search(r"^PREDICT_COVERAGE_BASELINE \?= (\S+)$", makefile, re.M)
+    assert coverage
+    every_stack = pd.read_parquet(REPO / "results" / "coverage" / "predicted" / f"{coverage[1]}.parquet")
+    first = every_stack.iloc[0]
+    assert {name: first[f"{name.replace('-', '_')}_version"].split("+")[0] for name in pins} == pins
+    from bench import spec
+    matrices = spec.load(REPO / "matrix.yaml")
+    assert set(every_stack["stack"]) == {s.label for s in matrices["llama3b"].stacks} == {
+        s.label for s in matrices["coverage"].stacks}
 
 
 def test_the_nightly_version_set_is_the_newest_final_release_not_yanked() -> None:

@@ -2326,22 +2326,6 @@ def test_compiled_codes_kernels_count_as_the_steps_work_and_time_it(monkeypatch:
     assert steptime.untimed_reason(parse_stack("compile + gc"), 1) is None
 
 
-def test_dynamo_is_told_triton_runs_whichever_way_its_release_asks() -> None:
-    """torch 2.15's dynamo asks `has_triton(include_cpu=True)`, 2.11-2.14's `has_triton()`: inside
-    `traced_by_dynamo` both are yes; and 2.15's inductor asks the (CPU) device whether Triton has a backend for
-    it before it writes a launch with options (Liger's num_warps): yes too. (Under torch 2.15, compile + gc + liger
-    and compile + liger failed in the fake run while only the first question was answered.)"""
-    pytest.importorskip("triton")
-    import torch.utils._triton
-    from torch._dynamo.device_interface import CpuInterface
-
-    from bench.predict import triton_launch
-
-    with triton_launch.traced_by_dynamo():
-        assert torch.utils._triton.has_triton() and torch.utils._triton.has_triton(include_cpu=True)
-        CpuInterface.raise_if_triton_unavailable("cpu")
-
-
 def test_liger_kernels_in_compiled_layers_are_taken_into_their_graphs_as_on_a_gpu() -> None:
     """compile + liger (bench/predict/triton_launch.py, `traced_by_dynamo`): dynamo takes each of Liger's Triton
     kernels into the layer's graph as an op, as on a GPU, so the layers compile into the few graphs the H200

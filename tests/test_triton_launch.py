@@ -73,3 +73,16 @@ def test_ligers_swiglu_backward_counts_the_gradients_it_writes_over_its_inputs()
             swiglu_backward(a, b, dc)
     one = 4096 * 8192 * 2
     assert counted.memory_bytes == 5 * one
+
+
+def test_dynamo_is_told_triton_runs_whichever_way_its_release_asks() -> None:
+    """torch 2.15's dynamo asks `has_triton(include_cpu=True)`, 2.11-2.14's `has_triton()`: inside
+    `traced_by_dynamo` both are yes; and 2.15's inductor asks the (CPU) device whether Triton has a backend for
+    it before it writes a launch with options (Liger's num_warps): yes too. (Under torch 2.15 the fake run of
+    compile + gc + liger failed on the first question, compile + liger on the second.)"""
+    import torch.utils._triton
+    from torch._dynamo.device_interface import CpuInterface
+
+    with triton_launch.traced_by_dynamo():
+        assert torch.utils._triton.has_triton() and torch.utils._triton.has_triton(include_cpu=True)
+        CpuInterface.raise_if_triton_unavailable("cpu")
