@@ -197,6 +197,8 @@ def test_the_nightly_gate_compares_with_the_baseline_the_makefile_and_tests_name
     matrices = spec.load(REPO / "matrix.yaml")
     assert set(every_stack["stack"]) == {s.label for s in matrices["llama3b"].stacks} == {
         s.label for s in matrices["coverage"].stacks}
+    on_two_ranks = set(every_stack[(every_stack["gpus"] == 2) & (every_stack["status"] == "ok")]["stack"])
+    assert {"fsdp", "zero2", "zero3", "fsdp + offload(params=True)"} <= on_two_ranks  # the fake process group, the hybrid
 
 
 def test_the_nightly_version_set_is_the_newest_final_release_not_yanked() -> None:
