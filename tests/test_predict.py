@@ -1992,7 +1992,7 @@ def test_from_torch_2_15_each_cublas_gemm_takes_its_workspace_and_gives_it_back(
 
     assert cublas.for_gpu(32 * 2**20, "2.14.1+cu130") == Workspaces(32 * 2**20)
     assert cublas.for_gpu(32 * 2**20, "2.11.0+cu130") == Workspaces(32 * 2**20)
-    for release in ("2.15.0+cu132", "2.15.0", "2.16.0.dev20261130+cpu"):
+    for release in ("2.15.0+cu132", "2.15.0", "2.15.0a0+git1234", "2.16.0.dev20261130+cpu"):
         assert cublas.for_gpu(32 * 2**20, release) == Workspaces(32 * 2**20, per_call=True, lt_bytes_per_thread=2**20)
     a, b, bias = torch.ones(64, 64), torch.ones(64, 64), torch.ones(64)
     wide = bias.expand(64, 64).contiguous()

@@ -21,11 +21,11 @@ The size: 32 MiB from compute capability 9.0 (Hopper) on, else 4096 KiB x 2 + 16
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
 
 MIB = 2**20
 
@@ -33,7 +33,7 @@ MIB = 2**20
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm",
                         "_addmm_activation", "gemm_4bit"})  # bitsandbytes' 4-bit matmul: F.linear on training shapes
 FIRST_PER_CALL = (2, 15)  # the first torch release whose cuBLAS GEMMs take their workspace per call
-LT_BYTES_PER_CALL_RELEASES = 1 * MIB  # cuBLASLt's own workspace in those releases
+LT_WORKSPACE_BYTES = 1 * MIB  # cuBLASLt's own workspace in those releases
 LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -70,9 +70,17 @@ NONE = Workspaces()  # a real CPU run's
 def for_gpu(workspace_bytes: int, torch_version: str | None = None) -> Workspaces:
     """The workspaces a CUDA build of `torch_version` (default: this one's release, which the GPU host is taken
     to run) gives a GPU whose cuBLAS workspace is `workspace_bytes`."""
-    if Version(torch_version or torch.__version__).release[:2] >= FIRST_PER_CALL:
-        return Workspaces(workspace_bytes, per_call=True, lt_bytes_per_thread=LT_BYTES_PER_CALL_RELEASES)
+    if _major_minor(torch_version or torch.__version__) >= FIRST_PER_CALL:
+        return Workspaces(workspace_bytes, per_call=True, lt_bytes_per_thread=LT_WORKSPACE_BYTES)
     return Workspaces(workspace_bytes)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """'2.15.0+cu132', '2.16.0.dev20261130', '2.15.0a0' -> (2, 15)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(found[1]), int(found[2])
 
 
 def runs_on_cublaslt(op: str, args: Any, kwargs: Any) -> bool:
