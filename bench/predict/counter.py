@@ -219,12 +219,13 @@ class MemoryCounter(TorchDispatchMode):
             out = self._dispatch(func, op, args, kwargs or {})
             # a GEMM asks for its workspace once its outputs exist (the GPU's traces: the mm's output, then the
             # workspace): its thread's, kept, or (torch >= 2.15) one of its own, given back as it returns
-            kept = self.workspaces.kept(op, args, kwargs or {})
-            if kept is not None:
-                self._workspace_for(self.workspaces.thread_of(self.where), *kept)
-            per_call = self.workspaces.per_call_bytes(op, args, kwargs or {})
-            if per_call:
-                made.append(self._scratch(per_call, op, "cublas workspace", role="workspace"))
+            workspace = self.workspaces.of(op, args, kwargs or {})
+            if workspace is not None:
+                kind, nbytes, kept = workspace
+                if kept:
+                    self._workspace_for(self.workspaces.thread_of(self.where), kind, nbytes)
+                else:
+                    made.append(self._scratch(nbytes, op, f"{kind} workspace", role="workspace"))
             made += [self._scratch(nbytes, op) for nbytes in scratch.after]
             return out
         finally:

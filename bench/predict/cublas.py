@@ -48,20 +48,16 @@ class Workspaces:
     def thread_of(self, where: str) -> str:
         return "backward" if where.endswith("/backward") else "forward"
 
-    def kept(self, op: str, args: Any, kwargs: Any) -> tuple[str, int] | None:
-        """The workspace a GEMM op keeps for its thread, by kind (`cublas` or `cublaslt`) and bytes; None
-        where it keeps none (not a GEMM, or one whose workspace is per call: `per_call_bytes`)."""
+    def of(self, op: str, args: Any, kwargs: Any) -> tuple[str, int, bool] | None:
+        """The workspace a GEMM op takes, once its outputs exist: (`cublas` or `cublaslt`, bytes, whether it is kept
+        for its thread); None for an op that runs no GEMM, or in a real CPU run."""
         if not self.bytes_per_thread or op not in CUBLAS_OPS:
             return None
         if not self.per_call:
-            return "cublas", self.bytes_per_thread  # cuBLASLt shares it
-        return ("cublaslt", self.lt_bytes_per_thread) if runs_on_cublaslt(op, args, kwargs) else None
-
-    def per_call_bytes(self, op: str, args: Any, kwargs: Any) -> int:
-        """The bytes a GEMM op takes after its outputs and gives back as it returns (torch >= 2.15), else 0."""
-        if not (self.per_call and self.bytes_per_thread and op in CUBLAS_OPS) or runs_on_cublaslt(op, args, kwargs):
-            return 0
-        return self.bytes_per_thread
+            return "cublas", self.bytes_per_thread, True  # cuBLASLt shares it
+        if runs_on_cublaslt(op, args, kwargs):
+            return "cublaslt", self.lt_bytes_per_thread, True
+        return "cublas", self.bytes_per_thread, False
 
 
 NONE = Workspaces()  # a real CPU run's
@@ -86,7 +82,7 @@ def _major_minor(version: str) -> tuple[int, int]:
 def runs_on_cublaslt(op: str, args: Any, kwargs: Any) -> bool:
     """Whether CUDA runs this GEMM op through cuBLASLt: `_scaled_mm` always; addmm and `_addmm_activation` where
     the bias can ride in Lt's epilogue (Blas.cpp `isInputCompliesAddmmCudaLt`: beta 1, a contiguous bias of one
-    dimension as long as the output's rows are wide, or with an activation one that broadcasts to the output;
+    dimension as wide as the output's rows, or with an activation one that broadcasts to the output;
     floating operands of more than one row and column)."""
     if op == "_scaled_mm":
         return True
