@@ -135,12 +135,21 @@ def text(found: Stacks) -> str:
              f"{ask.software(first.predicted)}", "", line({key: title for title, key in COLUMNS}), *map(line, rows), ""]
     lines += [f"{a.cell.stack.label}: {ask.not_predicted(a.predicted)}" for a in found.answers
               if a.predicted.get("status") != "ok"]
-    fitting = [a.cell.stack.label for a in found.answers if a.verdict == "fits"]
     records = records_of(found)
-    lines += [*LEGEND, *(["records, of:", *records] if records else []),
-              f"fits: {', '.join(fitting) if fitting else 'none of these'}",
+    lines += [*LEGEND, *(["records, of:", *records] if records else []), fits_line(found),
               "each stack alone (bench ask ... --stack S) adds its breakdown at the peak"]
     return "\n".join(lines)
+
+
+def fits_line(found: Stacks) -> str:
+    """Which stacks fit; and which could not be judged (an unmeasured card's context), so that "none" is said
+    only of stacks judged not to fit."""
+    def of(verdict: str) -> list[str]:
+        return [a.cell.stack.label for a in found.answers if a.verdict == verdict]
+
+    fitting, unjudged = of("fits"), of("not judged")
+    line = f"fits: {', '.join(fitting) if fitting else 'none of these' if not unjudged else 'none judged to'}"
+    return line + (f"; not judged: {', '.join(unjudged)} (see each row's line above)" if unjudged else "")
 
 
 def as_json(found: Stacks) -> str:

@@ -519,6 +519,19 @@ def test_a_stacks_table_says_what_each_record_is_of_and_marks_a_row_none_of_its_
     assert "records, of:\n  one rank" in ask_stacks.text(found)
 
 
+def test_a_stacks_summary_says_none_fits_only_of_stacks_it_judged() -> None:
+    """On a card whose context is not measured the stacks are "not judged": the summary says so, not that none fit."""
+    from bench import ask_stacks
+
+    unmeasured = gpus.GpuKind("x", "a card whose context is not measured", (8, 9), memory_gib=24.0)
+    fits, too_big, unjudged = _answer(fits=True), _answer(fits=False), _answer(unmeasured)
+    label = fits.cell.stack.label
+    assert ask_stacks.fits_line(ask_stacks.Stacks((fits, too_big))) == f"fits: {label}"
+    assert ask_stacks.fits_line(ask_stacks.Stacks((too_big,))) == "fits: none of these"
+    assert ask_stacks.fits_line(ask_stacks.Stacks((unjudged, too_big))) == (
+        f"fits: none judged to; not judged: {label} (see each row's line above)")
+
+
 def test_an_answer_gives_the_predicted_step_time_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """The step time (bench/predict/steptime.py) at the card's fitted rates, with tokens/s, which side sets the
     pace and both sides' times; on a kind no GPU has fitted rates for, or a stack the model does not time, why not."""
