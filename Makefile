@@ -74,14 +74,19 @@ site:
 
 predict-gate:  # a torch / transformers / peft release that changes training memory, caught on a CPU
 	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict regress --run-id $(PREDICT_GATE_RUN) --redo $(ARGS)
+	# then every stack once: does each stack's prediction still run under these releases? (status gated; moves
+	# shown). Both gates run and report whatever the first says (a release that moves the regress cells may also
+	# break a stack); the target fails if either does
+	status=0; \
 	$(REGRESS_PY) -m bench compare results/regress/predicted/$(PREDICT_BASELINE).parquet \
 		$(PREDICT_GATE_DIR)/regress/predicted/$(PREDICT_GATE_RUN).parquet \
-		--out results/regress/compare/$(PREDICT_BASELINE)_vs_$(PREDICT_GATE_RUN).md
-	# every stack once: does each stack's prediction still run under these releases? (status gated; moves shown)
-	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict coverage --run-id $(PREDICT_COVERAGE_RUN) --redo --jobs 2 $(ARGS)
-	$(REGRESS_PY) -m bench compare results/coverage/predicted/$(PREDICT_COVERAGE_BASELINE).parquet \
+		--out results/regress/compare/$(PREDICT_BASELINE)_vs_$(PREDICT_GATE_RUN).md || status=1; \
+	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict coverage --run-id $(PREDICT_COVERAGE_RUN) --redo --jobs 2 $(ARGS) \
+	&& $(REGRESS_PY) -m bench compare results/coverage/predicted/$(PREDICT_COVERAGE_BASELINE).parquet \
 		$(PREDICT_GATE_DIR)/coverage/predicted/$(PREDICT_COVERAGE_RUN).parquet --status-only \
-		--out results/coverage/compare/$(PREDICT_COVERAGE_BASELINE)_vs_$(PREDICT_COVERAGE_RUN).md
+		--out results/coverage/compare/$(PREDICT_COVERAGE_BASELINE)_vs_$(PREDICT_COVERAGE_RUN).md || status=1; \
+	if [ $$status -ne 0 ]; then echo "predict-gate: FAIL (the reports above say which gate)" >&2; fi; \
+	exit $$status
 
 test:
 	$(PY) -m pytest -q
