@@ -207,8 +207,26 @@ def markdown(diffs: list[CellDiff], base: pd.DataFrame, cand: pd.DataFrame, gate
     lines = [f"# Regression check{kind}: {verdict}", "",
              f"{counts['regression']} regressed, {counts['improvement']} improved, {counts['same']} unchanged, "
              f"{counts['missing']} missing of {len(diffs)} baseline cells. Gate: {gated}.",
-             "", *_versions(base, cand), "", *_table(diffs, predicted)]
+             "", *_versions(base, cand), "", *_table([d for d in diffs if not _skipped_on_both(d)], predicted),
+             *_skipped_lines([d for d in diffs if _skipped_on_both(d)], base)]
     return "\n".join(lines) + "\n"
+
+
+def _skipped_on_both(d: CellDiff) -> bool:
+    return d.base_status == d.cand_status == "skipped"
+
+
+def _skipped_lines(skipped: list[CellDiff], base: pd.DataFrame) -> list[str]:
+    """Cells the plan skipped on both sides, counted under the table by the baseline's reason rather than listed:
+    neither side ran them, so there is nothing to compare (the coverage matrix's one-GPU stacks at 2 ranks)."""
+    if not skipped:
+        return []
+    ids = {d.cell_id for d in skipped}
+    rows = by_cell(base)
+    reasons = rows[rows["cell_id"].isin(ids)].get("skip_reason", pd.Series(dtype=object)).fillna("no reason recorded")
+    counts = reasons.value_counts() if len(reasons) else pd.Series({"no reason recorded": len(ids)})
+    return ["", f"Not listed: {len(ids)} cells skipped on both sides (nothing ran to compare), by reason:",
+            *(f"- {n}: {why}" for why, n in counts.items())]
 
 
 def _gated(diffs: list[CellDiff]) -> str:

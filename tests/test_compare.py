@@ -168,6 +168,20 @@ def test_gated_on_status_alone_a_prediction_that_stops_running_fails_and_moves_a
     assert cli.main(["compare", str(GATE_BASELINE), str(tmp_path / "broken.parquet"), "--status-only"]) == 1
 
 
+def test_cells_skipped_on_both_sides_are_counted_by_reason_not_listed(tmp_path: Path, base: pd.DataFrame) -> None:
+    """Nothing ran on either side of a cell the plan skipped twice: the report counts those under the table by
+    their reason (the coverage matrix's 52 one-GPU stacks at 2 ranks) and lists every cell that ran on one side."""
+    skipped = base[base.status == "skipped"]
+    assert len(skipped) > 1
+    code, report = _gate(tmp_path, base, base)
+    assert code == 0 and not any(f"`{cell}`" in report for cell in skipped.cell_id)
+    assert f"Not listed: {len(skipped)} cells skipped on both sides" in report
+    assert f"- {(skipped.skip_reason == skipped.skip_reason.iloc[0]).sum()}: {skipped.skip_reason.iloc[0]}" in report
+    ran = skipped.cell_id.iloc[0]  # skipped in the baseline, run in the candidate: listed
+    code, report = _gate(tmp_path, base, _alter(base, ran, status="ok", peak_reserved_gib=10.0, tokens_per_s=1e4))
+    assert f"`{ran}`" in report and f"Not listed: {len(skipped) - 1} cells" in report
+
+
 def test_the_nightly_gate_compares_with_the_baseline_the_makefile_and_tests_name() -> None:
     """The CPU gate's workflow once pinned its own default baseline (a prediction of an older method) and a frozen
     version set: every night it gated against the wrong run. Now the Makefile's PREDICT_BASELINE is the one baseline
