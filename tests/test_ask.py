@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import re
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from bench.predict import report as predict_report
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS["h100"]
+sys.path[:0] = [str(REPO / "tools")]  # model_types: how a user's config.json of another architecture is shrunk
 
 
 def _ask(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -111,12 +113,7 @@ def test_any_models_config_json_can_be_asked_about(tmp_path: Path, capsys: pytes
 
 
 # Architectures unlike the registry's, as a user's config.json would bring them: transformers' own defaults for the
-# model type, shrunk to a few layers and narrow widths (the sizes any of them reads; the rest stay its defaults)
-_SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=64, vocab_size=1024, moe_intermediate_size=128, num_experts=4, n_routed_experts=4,
-              num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-              topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+# model type, shrunk to a few layers and narrow widths (tools/model_types.py, which asks about every one)
 _ARCHITECTURES = {
     # multi-head latent attention (as many key heads as query heads; its head_dim the rope's) and routed experts
     "deepseek_v3": ("mixed", {"head_dim": 32, "num_key_value_heads": 4}),  # fp32 experts: CUDA's grouped-mm fallback
@@ -135,17 +132,12 @@ def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: 
     AdamW's two moments twice the weights where every parameter trains. Of 37 causal-LM model types of transformers
     5.24 tried so on 2026-11-30, every one was predicted (gemma2 and gpt_oss with eager attention, as the answer
     without it says; DeepSeek-V3, Qwen3-MoE and Qwen3-Next under `mixed` since fake-run/27)."""
-    from transformers import AutoConfig
+    from model_types import shrunk  # tools/
 
     stack, extra = _ARCHITECTURES[model_type]
-    config = AutoConfig.for_model(model_type).to_dict()
-    config |= {key: value for key, value in _SMALL.items() if key in config} | extra
-    config |= {key: None for key in ("layer_types", "mlp_only_layers") if isinstance(config.get(key), list)}
-    config |= {key: 1 for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-               if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]}
     path = tmp_path / model_type / "config.json"
     path.parent.mkdir()
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(shrunk(model_type, extra)))
     code, out = _ask(tmp_path, capsys, str(path), "--seq", "128", "--stack", stack, "--json")
     row = json.loads(out)["predicted"]
     assert code == 0 and row["status"] == "ok", out

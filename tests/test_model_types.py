@@ -1,0 +1,52 @@
+"""tools/model_types.py: which of transformers' architectures `bench predict` predicts, each in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+sys.path[:0] = [str(REPO / "tools")]
+
+import model_types  # noqa: E402
+
+
+def test_the_architectures_asked_about_are_the_text_causal_lms() -> None:
+    every = model_types.text_model_types()
+    assert {"llama", "qwen3", "gemma3_text", "deepseek_v3"} <= set(every)
+    assert "gemma3" not in every  # multimodal: `bench ask` takes its text model's config instead
+
+
+def test_each_answer_is_its_own_process_and_a_refusal_is_said_not_raised(tmp_path: Path) -> None:
+    config = tmp_path / "llama" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(model_types.shrunk("llama")))
+    ok = model_types.ask(config, "llama", "gc + lora")
+    assert ok.status == "ok" and ok.peak_allocated_gib and ok.peak_reserved_gib >= ok.peak_allocated_gib
+    broken = tmp_path / "broken" / "config.json"
+    broken.parent.mkdir()
+    broken.write_text('{"hidden_size": 8}')  # no model_type: bench ask exits 2 naming the problem
+    refused = model_types.ask(broken, "broken", "gc")
+    assert refused.status == "refused" and "model_type" in refused.why
+    table = model_types.markdown([ok, model_types.Answer("broken", "gc + lora", "refused", why="a | b")],
+                                 ["gc + lora"], "torch x", {})
+    assert "`gc + lora`: 1 of 2 predicted" in table
+    assert "| broken | **refused**: a / b |  |" in table  # a reason's pipe cannot break the table
+
+
+def test_a_failed_answer_is_the_predictors_only_where_the_config_trains_for_real(tmp_path: Path) -> None:
+    """An error on a config that trains for real (one fp32 CPU step) is the predictor's to fix; on one that does not,
+    the shrinking's: the table says which."""
+    config = tmp_path / "llama" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(model_types.shrunk("llama")))
+    assert model_types.runs_for_real(config) == ""
+    config.write_text(json.dumps(model_types.shrunk("llama", {"num_key_value_heads": 3})))  # 4 heads in 3 groups
+    assert model_types.runs_for_real(config)
+    errs = [model_types.Answer(t, "gc", "error", why="RuntimeError: x") for t in ("a", "b")]
+    table = model_types.markdown(errs, ["gc"], "torch x", {"a": "", "b": "ValueError: heads"})
+    assert "1 failed answers on configs that train for real, 1 on configs that do not" in table
+    assert "| a | **error**: RuntimeError: x | runs |" in table
+    assert "| b | **error**: RuntimeError: x | **fails**: ValueError: heads |" in table

@@ -1,0 +1,221 @@
+"""Which of transformers' causal-LM architectures `bench predict` predicts, under the installed releases.
+
+    python tools/model_types.py [--stack 'gc + lora'] [--stack mixed] [--only llama,qwen3] [--jobs 2] [--out FILE]
+
+Every model type transformers maps to a causal LM (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) whose default config is a
+text model's (a multimodal one, with a `text_config`, `bench ask` refuses: ask about its text model) gets its
+defaults shrunk to two narrow layers (`shrunk`) and written as a config.json, as a user's download would bring it;
+then `python -m bench ask CONFIG --seq 128 --stack S --json` runs once per stack, each in a process of its own with
+a timeout, so one architecture that crashes or hangs costs only its own answer. The table (`--out`, markdown) gives
+each answer's status, peak allocated and reserved GiB (H100, predictions: fake runs on this CPU, not
+measurements), and for one that was not predicted the first line of why. Exit 0 once every answer is in, whatever
+they say; 2 on bad arguments. A new torch or transformers release that stops an architecture predicting shows here
+before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in the suite).
+
+Two stacks over transformers 5.24's 178 text model types take about 25 minutes on 2 cores with `--jobs 2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # one answer: a two-layer model's fake step takes seconds; a hang is a failure, not a wait
+
+# The sizes any architecture reads, narrowed; an architecture's other fields stay its defaults
+SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, vocab_size=1024, moe_intermediate_size=128, num_experts=4, n_routed_experts=4,
+             num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+             topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+             n_layer=2, n_embd=256, n_head=4)  # GPT-2's names
+PER_LAYER_LISTS = ("layer_types", "mlp_only_layers")  # sized for the default depth: None lets the config derive them
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """transformers' default config of `model_type` as a dict, its sizes narrowed to SMALL's (where it has them),
+    then `extra`; per-layer lists dropped and token ids kept inside the smaller vocabulary."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type).to_dict()
+    config |= {key: value for key, value in SMALL.items() if key in config} | (extra or {})
+    config |= {key: None for key in PER_LAYER_LISTS if isinstance(config.get(key), list)}
+    config |= {key: 1 for key in TOKEN_IDS if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]}
+    return config
+
+
+def text_model_types() -> list[str]:
+    """The causal-LM model types whose default config is a text model's, sorted."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # a type whose defaults do not build is not one a user can ask about either
+            continue
+        if not hasattr(config, "text_config"):
+            found.append(model_type)
+    return found
+
+
+@dataclass(frozen=True)
+class Answer:
+    model_type: str
+    stack: str
+    status: str  # ok | unsupported | error | ... as the predicted row says; refused (exit 2: bad input, says why),
+    # crashed or timeout: no row came back
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    why: str = ""  # the first line of the reason it was not predicted
+
+
+def ask(config_path: Path, model_type: str, stack: str) -> Answer:
+    """One `bench ask` in a process of its own; its predicted row, or how the process ended."""
+    command = [sys.executable, "-m", "bench", "--results-dir", str(config_path.parent), "ask", str(config_path),
+               "--seq", "128", "--stack", stack, "--json"]
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Answer(model_type, stack, "timeout", why=f"no answer in {TIMEOUT_S} s")
+    try:
+        row = json.loads(done.stdout)["predicted"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return Answer(model_type, stack, "refused" if done.returncode == 2 else "crashed", why=tail[:200])
+    reason = row.get("unsupported_reason") or row.get("skip_reason")
+    why = str(reason).strip().splitlines()[0] if reason else _exception(str(row.get("error") or ""))
+    return Answer(model_type, stack, str(row.get("status")), row.get("peak_allocated_gib"),
+                  row.get("peak_reserved_gib"), why[:200])
+
+
+def _exception(trace: str) -> str:
+    """A traceback's last line: the exception and its message."""
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def runs_for_real(config_path: Path) -> str:
+    """Whether the shrunk config trains at all, outside the fake run: one real forward and backward on the CPU, fp32,
+    16 tokens, in a process of its own. "" if it does, else the exception: an answer that errs on a config that
+    does not run for real is the shrinking's failure, not the predictor's."""
+    command = [sys.executable, __file__, "--real", str(config_path)]
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"no real step in {TIMEOUT_S} s"
+    return "" if done.returncode == 0 else _exception(done.stderr)[:200] or f"exit {done.returncode}"
+
+
+def _real_step(config_path: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_path.read_text())
+    config = AutoConfig.for_model(**fields)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+FAILED = ("error", "crashed", "timeout")  # an answer that says nothing of the architecture: checked for real
+
+
+def markdown(answers: list[Answer], stacks: list[str], versions: str, real: dict[str, str]) -> str:
+    """The table: a row per model type, a column per stack, and where an answer failed, whether the shrunk config
+    trains for real (`real`: model type -> "" if it does, else why not)."""
+    by_type: dict[str, dict[str, Answer]] = {}
+    for a in answers:
+        by_type.setdefault(a.model_type, {})[a.stack] = a
+    counts = {s: sum(by_type[t][s].status == "ok" for t in by_type) for s in stacks}
+    theirs = sum(a.status in FAILED and not real.get(a.model_type) for a in answers)
+    lines = [f"# Which architectures `bench predict` predicts ({versions})", "",
+             "Each causal-LM model type of transformers, its defaults shrunk to two narrow layers, asked about at seq "
+             "128 batch 1 on an H100 (`tools/model_types.py`). Predictions (fake runs on a CPU), not measurements: "
+             "the peaks say the step ran, not what the full-size model needs. Where an answer failed, *real step* "
+             "says whether the shrunk config trains at all (one fp32 step on the CPU): if it does, the failure is "
+             "the predictor's. Generated; never edited by hand.", "",
+             "; ".join(f"`{s}`: {counts[s]} of {len(by_type)} predicted" for s in stacks) +
+             f"; {theirs} failed answers on configs that train for real, "
+             f"{sum(a.status in FAILED for a in answers) - theirs} on configs that do not.", "",
+             "| model type | " + " | ".join(f"`{s}`" for s in stacks) + " | real step |",
+             "|---|" + "---|" * (len(stacks) + 1)]
+    for model_type in sorted(by_type):
+        checked = model_type in real
+        step = ("" if not checked else "runs" if not real[model_type] else
+                f"**fails**: {real[model_type].replace('|', '/')}")
+        lines.append(f"| {model_type} | " + " | ".join(_cell(by_type[model_type][s]) for s in stacks) + f" | {step} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(a: Answer) -> str:
+    if a.status == "ok":
+        return f"ok: {a.peak_allocated_gib:.3f} / {a.peak_reserved_gib:.3f} GiB"
+    return f"**{a.status}**: {a.why.replace('|', '/')}"
+
+
+def versions() -> str:
+    import torch
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stack", action="append", help="a stack as in matrix.yaml; again for another "
+                        "(default: gc + lora, mixed)")
+    parser.add_argument("--only", help="model types, comma-separated (default: every text one)")
+    parser.add_argument("--jobs", type=int, default=1, help="answers side by side (default 1)")
+    parser.add_argument("--out", type=Path, help="the markdown table (default: printed)")
+    parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)  # runs_for_real's process: one real step
+    args = parser.parse_args()
+    if args.real:
+        _real_step(args.real)
+        return 0
+    stacks = args.stack or ["gc + lora", "mixed"]
+    every = text_model_types()
+    chosen = args.only.split(",") if args.only else every
+    unknown = sorted(set(chosen) - set(every))
+    if unknown or args.jobs < 1:
+        print(f"model_types: {'not text causal-LM model types here: ' + ', '.join(unknown) if unknown else '--jobs >= 1'}",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for model_type in chosen:
+            paths[model_type] = Path(tmp) / model_type / "config.json"
+            paths[model_type].parent.mkdir()
+            paths[model_type].write_text(json.dumps(shrunk(model_type)))
+        questions = [(t, s) for t in chosen for s in stacks]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            answers = list(pool.map(lambda q: _said(ask(paths[q[0]], *q)), questions))
+            failed = sorted({a.model_type for a in answers if a.status in FAILED})
+            real = dict(zip(failed, pool.map(lambda t: runs_for_real(paths[t]), failed), strict=True))
+    text = markdown(answers, stacks, versions(), real)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def _said(a: Answer) -> Answer:
+    print(f"{a.status:<12} {a.model_type:<28} {a.stack}  {a.why}", file=sys.stderr, flush=True)
+    return a
+
+
+if __name__ == "__main__":
+    sys.exit(main())
