@@ -73,10 +73,13 @@ def register_file(path: Path) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
     fields = {k: v for k, v in raw.items() if k not in _OUR_KEYS}
     spec = ModelSpec(name, str(raw.get("family") or raw["model_type"]), str(path), json.dumps(fields, sort_keys=True))
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validators raise it
+
     try:
         hf_config(spec, "sdpa")
-    except (ValueError, KeyError, TypeError) as err:  # e.g. a model_type this transformers does not know
-        first = str(err).split(". ")[0][:300]  # transformers' message goes on to list every model type it knows
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as err:  # e.g. a model_type it does not know,
+        # a per-layer list as long as another depth: the validator's own message is the cause, where there is one
+        first = str(err.__cause__ or err).split(". ")[0][:300]  # it may go on to list every model type it knows
         raise ValueError(f"{path}: transformers cannot build this config: {first}") from None
     known = registry().get(name)
     if known is not None and known.config_json != spec.config_json:

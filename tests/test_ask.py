@@ -153,6 +153,9 @@ def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: 
     ("not json", "not a readable config.json"),
     ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),
     ('{"model_type": "no_such_model_type"}', "transformers cannot build this config: Unrecognized model identifier"),
+    ('{"model_type": "qwen3", "num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention", '
+     '"full_attention"]}', "transformers cannot build this config: `num_hidden_layers` (2) must be equal to the number "
+     "of `layer_types` (3)"),  # transformers' validators raise huggingface_hub's own error, no ValueError
     ('{"model_type": "llama", "quantization_config": {"quant_method": "fp8"}}',
      "the config of a pre-quantized checkpoint (quantization_config, quant_method 'fp8')"),
     ('{"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "vision_config": {}}',
