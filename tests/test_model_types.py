@@ -50,3 +50,15 @@ def test_a_failed_answer_is_the_predictors_only_where_the_config_trains_for_real
     assert "1 failed answers on configs that train for real, 1 on configs that do not" in table
     assert "| a | **error**: RuntimeError: x | runs |" in table
     assert "| b | **error**: RuntimeError: x | **fails**: ValueError: heads |" in table
+
+
+def test_a_shrunk_config_keeps_a_layer_of_each_kind_its_model_has() -> None:
+    """Cut to a few layers, a hybrid keeps each kind it has (Qwen3-Next's linear attention beside full attention,
+    Gemma 3's sliding window beside global layers), its per-layer lists cut to the same layers."""
+    assert model_types.kept_layers([["s", "s", "s", "f", "s", "f"]], 2) == [0, 3]
+    assert model_types.kept_layers([["a", "b", "c", "a"], ["x", "x", "y", "x"]], 2) == [0, 1, 2]
+    assert model_types.kept_layers([["a"] * 5], 2) == [0, 1]
+    for model_type, kinds in (("qwen3_next", {"linear_attention", "full_attention"}),
+                              ("gemma3_text", {"sliding_attention", "full_attention"})):
+        config = model_types.shrunk(model_type)
+        assert set(config["layer_types"]) == kinds and config["num_hidden_layers"] == len(config["layer_types"])

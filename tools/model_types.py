@@ -37,20 +37,50 @@ SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_at
              topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
              n_layer=2, n_embd=256, n_head=4)  # GPT-2's names
-PER_LAYER_LISTS = ("layer_types", "mlp_only_layers")  # sized for the default depth: None lets the config derive them
+LAYER_INDEX_LISTS = ("mlp_only_layers",)  # indices of layers at the default depth: None lets the config derive them
+PER_LAYER_DICTS = ("per_layer_config",)  # layer index -> that layer's own settings (Gemma 4)
+DEPTHS = ("num_hidden_layers", "n_layer")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """transformers' default config of `model_type` as a dict, its sizes narrowed to SMALL's (where it has them),
-    then `extra`; per-layer lists dropped and token ids kept inside the smaller vocabulary."""
+    then `extra`; its layers cut to a few that keep each kind of layer it has (`kept_layers`) and token ids kept
+    inside the smaller vocabulary."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type).to_dict()
+    depth_key = next((key for key in DEPTHS if isinstance(config.get(key), int)), None)
+    per_layer = [key for key, value in config.items() if depth_key and isinstance(value, list)
+                 and len(value) == config[depth_key] > SMALL[depth_key]]  # one entry a layer: layer_types, say
     config |= {key: value for key, value in SMALL.items() if key in config} | (extra or {})
-    config |= {key: None for key in PER_LAYER_LISTS if isinstance(config.get(key), list)}
+    per_layer = [key for key in per_layer if isinstance(config[key], list)]  # not one SMALL made a single size
+    keep = list(range(int(config[depth_key]))) if depth_key else []
+    if per_layer and depth_key and depth_key not in (extra or {}):
+        keep = kept_layers([config[key] for key in per_layer], int(SMALL[depth_key]))
+        config |= {key: [config[key][i] for i in keep] for key in per_layer} | {depth_key: len(keep)}
+    for key in PER_LAYER_DICTS:  # keyed by layer index: the kept layers', renumbered
+        if isinstance(config.get(key), dict):
+            config[key] = {str(keep.index(int(i))): v for i, v in config[key].items() if int(i) in keep}
+    config |= {key: None for key in LAYER_INDEX_LISTS if isinstance(config.get(key), list)}
     config |= {key: 1 for key in TOKEN_IDS if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]}
     return config
+
+
+def kept_layers(per_layer: list[list[Any]], at_least: int) -> list[int]:
+    """The layers kept: the first of each kind in each per-layer list (a sliding-window and a full-attention layer,
+    a dense and a mixture-of-experts one), then the first ones up to `at_least`."""
+    firsts = sorted({values.index(kind) for values in per_layer for kind in _distinct(values)})
+    others = [i for i in range(len(per_layer[0])) if i not in firsts]
+    return sorted(firsts + others[:max(0, at_least - len(firsts))])
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    seen: list[Any] = []
+    for value in values:
+        if value not in seen:
+            seen.append(value)
+    return seen
 
 
 def text_model_types() -> list[str]:
