@@ -62,3 +62,26 @@ def test_a_shrunk_config_keeps_a_layer_of_each_kind_its_model_has() -> None:
                               ("gemma3_text", {"sliding_attention", "full_attention"})):
         config = model_types.shrunk(model_type)
         assert set(config["layer_types"]) == kinds and config["num_hidden_layers"] == len(config["layer_types"])
+
+
+def test_against_a_baseline_an_architecture_that_stops_predicting_fails(tmp_path: Path) -> None:
+    """`--baseline`: an answer the earlier run predicted that no longer predicts is exit 1, named in the table; one
+    it did not predict, or did not ask, is not counted."""
+    import subprocess
+
+    def answer(model_type: str, status: str) -> dict[str, object]:
+        return {"model_type": model_type, "stack": "gc", "status": status}
+
+    baseline = tmp_path / "before.json"
+    baseline.write_text(json.dumps({"answers": [answer("bloom", "ok"), answer("mamba", "skipped"),
+                                                answer("llama", "ok")]}))
+    out = tmp_path / "now.md"
+    command = [sys.executable, str(REPO / "tools" / "model_types.py"), "--only", "bloom,mamba", "--stack", "gc",
+               "--baseline", str(baseline), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    table = out.read_text()
+    assert "1 answers it predicted no longer predict" in table and "- bloom / gc: skipped: " in table
+    assert json.loads(out.with_suffix(".json").read_text())["answers"][0]["model_type"] == "bloom"
+    missing = subprocess.run([*command[:-4], "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such baseline" in missing.stderr

@@ -8,8 +8,9 @@ defaults shrunk to two narrow layers (`shrunk`) and written as a config.json, as
 then `python -m bench ask CONFIG --seq 128 --stack S --json` runs once per stack, each in a process of its own with
 a timeout, so one architecture that crashes or hangs costs only its own answer. The table (`--out`, markdown) gives
 each answer's status, peak allocated and reserved GiB (H100, predictions: fake runs on this CPU, not
-measurements), and for one that was not predicted the first line of why. Exit 0 once every answer is in, whatever
-they say; 2 on bad arguments. A new torch or transformers release that stops an architecture predicting shows here
+measurements), and for one that was not predicted the first line of why; beside the table, NAME.json keeps the
+answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if an answer it predicted no
+longer predicts; 2 on bad arguments. A new torch or transformers release that stops an architecture predicting shows here
 before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in the suite).
 
 Two stacks over transformers 5.24's 178 text model types take about 25 minutes on 2 cores with `--jobs 2`.
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,13 +203,47 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+def answer_all(chosen: list[str], stacks: list[str], jobs: int) -> tuple[list[Answer], dict[str, str]]:
+    """Every (model type, stack) answered, `jobs` at a time; and for each model type with a failed answer, whether its
+    shrunk config trains for real."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for model_type in chosen:
+            paths[model_type] = Path(tmp) / model_type / "config.json"
+            paths[model_type].parent.mkdir()
+            paths[model_type].write_text(json.dumps(shrunk(model_type)))
+        questions = [(t, s) for t in chosen for s in stacks]
+        with ThreadPoolExecutor(jobs) as pool:
+            answers = list(pool.map(lambda q: _said(ask(paths[q[0]], *q)), questions))
+            failed = sorted({a.model_type for a in answers if a.status in FAILED})
+            real = dict(zip(failed, pool.map(lambda t: runs_for_real(paths[t]), failed), strict=True))
+    return answers, real
+
+
+def record(answers: list[Answer], real: dict[str, str]) -> dict[str, Any]:
+    """What `--out` keeps beside its table (NAME.json), for a later `--baseline`."""
+    return {"versions": versions(), "answers": [asdict(a) for a in answers], "real_step": real}
+
+
+def lost(baseline: dict[str, Any], answers: list[Answer]) -> list[str]:
+    """The (model type, stack) answers the baseline predicted that are asked again and no longer predict: a release
+    or a change that stopped an architecture's prediction. A model type or stack not asked now is not counted."""
+    now = {(a.model_type, a.stack): a for a in answers}
+    return [f"{t} / {s}: {now[t, s].status}: {now[t, s].why}" for t, s in
+            sorted((b["model_type"], b["stack"]) for b in baseline["answers"] if b["status"] == "ok")
+            if (t, s) in now and now[t, s].status != "ok"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stack", action="append", help="a stack as in matrix.yaml; again for another "
                         "(default: gc + lora, mixed)")
     parser.add_argument("--only", help="model types, comma-separated (default: every text one)")
     parser.add_argument("--jobs", type=int, default=1, help="answers side by side (default 1)")
-    parser.add_argument("--out", type=Path, help="the markdown table (default: printed)")
+    parser.add_argument("--out", type=Path, help="the markdown table, and beside it the answers as JSON (default: "
+                        "the table printed)")
+    parser.add_argument("--baseline", type=Path, help="an earlier --out's JSON: exit 1 if an answer it predicted no "
+                        "longer predicts")
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)  # runs_for_real's process: one real step
     args = parser.parse_args()
     if args.real:
@@ -218,28 +253,26 @@ def main() -> int:
     every = text_model_types()
     chosen = args.only.split(",") if args.only else every
     unknown = sorted(set(chosen) - set(every))
-    if unknown or args.jobs < 1:
-        print(f"model_types: {'not text causal-LM model types here: ' + ', '.join(unknown) if unknown else '--jobs >= 1'}",
-              file=sys.stderr)
+    problem = ("not text causal-LM model types here: " + ", ".join(unknown) if unknown else "--jobs must be 1 or more"
+               if args.jobs < 1 else f"no such baseline: {args.baseline}" if args.baseline and
+               not args.baseline.is_file() else "")
+    if problem:
+        print(f"model_types: {problem}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        for model_type in chosen:
-            paths[model_type] = Path(tmp) / model_type / "config.json"
-            paths[model_type].parent.mkdir()
-            paths[model_type].write_text(json.dumps(shrunk(model_type)))
-        questions = [(t, s) for t in chosen for s in stacks]
-        with ThreadPoolExecutor(args.jobs) as pool:
-            answers = list(pool.map(lambda q: _said(ask(paths[q[0]], *q)), questions))
-            failed = sorted({a.model_type for a in answers if a.status in FAILED})
-            real = dict(zip(failed, pool.map(lambda t: runs_for_real(paths[t]), failed), strict=True))
+    answers, real = answer_all(chosen, stacks, args.jobs)
     text = markdown(answers, stacks, versions(), real)
+    gone = lost(json.loads(args.baseline.read_text()), answers) if args.baseline else []
+    if args.baseline:
+        text += (f"\nAgainst {args.baseline.name}: " + (f"{len(gone)} answers it predicted no longer predict:\n\n"
+                 + "\n".join(f"- {line}" for line in gone) if gone else "every answer it predicted still predicts.")
+                 + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(record(answers, real), indent=1) + "\n")
     else:
         print(text, end="")
-    return 0
+    return 1 if gone else 0
 
 
 def _said(a: Answer) -> Answer:
