@@ -112,18 +112,37 @@ def attention_problem(name: str, attn_implementation: str) -> str | None:
 @cache
 def _attention_problem(spec: ModelSpec, attn_implementation: str) -> str | None:
     import transformers
-    from transformers import AutoModelForCausalLM
 
-    config = hf_config(spec, attn_implementation)
-    try:
-        model_class: Any = AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return f"transformers has no causal LM class for model_type {config.model_type!r} ({spec.name})"
+    model_class = _causal_lm_class(spec)
+    if model_class is None:
+        return f"transformers has no causal LM class for model_type {spec.hf_fields['model_type']!r} ({spec.name})"
     flag = _ATTENTION_FLAGS.get(attn_implementation)
     if flag is not None and not getattr(model_class, flag, False):
         return (f"{model_class.__name__} has no {attn_implementation} attention in transformers "
                 f"{transformers.__version__}: add eager_attention to the stack")
     return None
+
+
+def checkpointing_problem(name: str) -> str | None:
+    """Why transformers cannot checkpoint this model's layers (its model class says: CTRL's cannot), or None;
+    enabling it would raise only inside the worker."""
+    import transformers
+
+    model_class = _causal_lm_class(get(name))
+    if model_class is None or model_class.supports_gradient_checkpointing:
+        return None  # no class: attention_problem says so first
+    return f"{model_class.__name__} does not support activation checkpointing in transformers {transformers.__version__}"
+
+
+@cache
+def _causal_lm_class(spec: ModelSpec) -> Any:
+    """transformers' causal LM class for this model's config, or None."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(hf_config(spec, "eager"))]
+    except KeyError:
+        return None
 
 
 def hf_config(spec: ModelSpec, attn_implementation: str):

@@ -149,6 +149,23 @@ def test_architectures_unlike_llama_are_predicted_whole(tmp_path: Path, capsys: 
         assert row["at_peak_optimizer_state_gib"] * 2**30 == pytest.approx(2 * weights_bytes, rel=0.01)
 
 
+def test_a_model_transformers_cannot_checkpoint_is_skipped_with_gc_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CTRL's model class does not support activation checkpointing: a gc stack is skipped at plan time, naming it,
+    as a stack without sdpa is (enabling it would raise inside the fake run or the worker)."""
+    from model_types import shrunk  # tools/
+
+    path = tmp_path / "ctrl" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(shrunk("ctrl")))
+    for stack in ("gc", "selective_gc"):
+        row = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack", stack, "--json")[1])["predicted"]
+        assert row["status"] == "skipped", row
+        assert row["skip_reason"].endswith("CTRLLMHeadModel does not support activation checkpointing in transformers "
+                                           f"{__import__('transformers').__version__}")
+    assert json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--json")[1])["predicted"]["status"] == "ok"
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("not json", "not a readable config.json"),
     ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,7 +57,10 @@ def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, An
     depth_key = next((key for key in DEPTHS if isinstance(config.get(key), int)), None)
     per_layer = [key for key, value in config.items() if depth_key and isinstance(value, list)
                  and len(value) == config[depth_key] > SMALL[depth_key]]  # one entry a layer: layer_types, say
-    config |= {key: value for key, value in SMALL.items() if key in config} | (extra or {})
+    config |= {key: value for key, value in SMALL.items() if key in config}
+    if "kv_lora_rank" in config:  # latent attention: a head per query head, rope on a head's rope part
+        config |= {"num_key_value_heads": config["num_attention_heads"], "head_dim": config["qk_rope_head_dim"]}
+    config |= extra or {}
     per_layer = [key for key in per_layer if isinstance(config[key], list)]  # not one SMALL made a single size
     keep = list(range(int(config[depth_key]))) if depth_key else []
     if per_layer and depth_key and depth_key not in (extra or {}):
@@ -130,6 +136,18 @@ def ask(config_path: Path, model_type: str, stack: str) -> Answer:
                   row.get("peak_reserved_gib"), why[:200])
 
 
+def _stop_past(max_gib: float) -> None:
+    """Ends this process once its resident memory passes `max_gib`: a config whose buffers are sized for its full
+    context (131,072 positions, say) would otherwise take the machine's memory and the kernel kill more than it."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    while True:
+        resident_gib = int(Path("/proc/self/statm").read_text().split()[1]) * page / 2**30
+        if resident_gib > max_gib:
+            print(f"MemoryError: the real step passed {max_gib} GiB of host memory", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(0.1)
+
+
 def _exception(trace: str) -> str:
     """A traceback's last line: the exception and its message."""
     lines = [line for line in trace.strip().splitlines() if line.strip()]
@@ -148,7 +166,11 @@ def runs_for_real(config_path: Path) -> str:
     return "" if done.returncode == 0 else _exception(done.stderr)[:200] or f"exit {done.returncode}"
 
 
+REAL_STEP_MAX_GIB = 6  # a shrunk config's real step takes well under 1 GiB; one that grows past this is stopped
+
+
 def _real_step(config_path: Path) -> None:
+    threading.Thread(target=_stop_past, args=(REAL_STEP_MAX_GIB,), daemon=True).start()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

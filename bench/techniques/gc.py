@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import models
 from .base import Evidence, Options, Phase, Technique
 
 
@@ -32,4 +33,5 @@ TECHNIQUE = Technique(
     phase=Phase.PATCH,
     options={"use_reentrant": False},
     apply=_apply,
+    check_cell=lambda cell, opts: models.checkpointing_problem(cell.model),
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .. import models
 from .base import Evidence, Options, Phase, Technique
 
 # sdpa's kernels on a GPU and on a CPU (where the smoke matrix and the predictor's fake run dispatch it): a
@@ -73,4 +74,5 @@ TECHNIQUE = Technique(
     conflicts=("gc",),
     validate=_validate,
     apply=_apply,
+    check_cell=lambda cell, opts: models.checkpointing_problem(cell.model),
 )
