@@ -9,6 +9,8 @@
 # make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE, and every stack once
 #                    (coverage: does each still predict?) against PREDICT_COVERAGE_BASELINE (CPU only)
+# make predict-architectures  every text causal-LM architecture of transformers asked about under VERSIONS
+#                    (tools/model_types.py), failing if one the committed answers predicted no longer does (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 # make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
 # make gpu-window   the same for one window of a lent GPU: stops before BUDGET_S seconds, tars into $OUT
@@ -28,6 +30,9 @@ PREDICT_GATE_RUN = regress-predicted-$(or $(VERSIONS),current)
 # the coverage matrix's baseline: every stack predicted under PREDICT_BASELINE_VERSIONS
 PREDICT_COVERAGE_BASELINE ?= coverage-predicted-h100-20261130
 PREDICT_COVERAGE_RUN = coverage-predicted-$(or $(VERSIONS),current)
+# the architectures' answers under PREDICT_BASELINE_VERSIONS (tools/model_types.py --out)
+PREDICT_ARCHITECTURES_BASELINE ?= results/model-types/$(PREDICT_BASELINE_VERSIONS).json
+JOBS ?= 2
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
 # the published run gpu-backlog adds to (an H100 80GB's); name another on another kind of GPU
@@ -35,7 +40,7 @@ LLAMA3B_RUN ?= llama3b-h100-20261122
 UNSLOTH ?= 2026.10.9
 BUDGET_S ?= 540
 
-.PHONY: install bench list report scenarios site fit predict predict-gate test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog gpu-window
+.PHONY: install bench list report scenarios site fit predict predict-gate predict-architectures test test-fast test-gpu lint versions-env regress regress-benchmark gpu-backlog gpu-window
 
 install:
 	python3 -m venv $(VENV)
@@ -87,6 +92,10 @@ predict-gate:  # a torch / transformers / peft release that changes training mem
 		--out results/coverage/compare/$(PREDICT_COVERAGE_BASELINE)_vs_$(PREDICT_COVERAGE_RUN).md || status=1; \
 	if [ $$status -ne 0 ]; then echo "predict-gate: FAIL (the reports above say which gate)" >&2; fi; \
 	exit $$status
+
+predict-architectures:  # a release that stops an architecture's prediction, caught before a user asks about it
+	$(REGRESS_PY) tools/model_types.py --jobs $(JOBS) --baseline $(PREDICT_ARCHITECTURES_BASELINE) \
+		--out $(PREDICT_GATE_DIR)/model-types/$(or $(VERSIONS),current).md
 
 test:
 	$(PY) -m pytest -q
