@@ -46,21 +46,26 @@ def peak_bf16_flops(gpu_name: str | None) -> float | None:
     return None
 
 
-def flops_per_token(model: Any, seq_len: int) -> float:
+def flops_per_token(model: Any, seq_len: int) -> float | None:
     """6 * N_matmul + 12 * L * H * head_dim * T (the PaLM / torchtitan convention).
 
     N_matmul counts every parameter except the input embedding (a lookup, not a matmul); a tied
     lm_head is counted once, since its matmul runs although its weight is the embedding's. In a
     mixture of experts a token runs only the experts it is routed to: a routed expert's parameters
     count at that share (`_active_share`). The second term is attention's score and value matmuls at
-    sequence length T.
+    sequence length T. None for a config without the sizes the convention reads (BLT's are in nested configs):
+    the cell has no MFU, its step still runs.
     """
     cfg = model.config
+    try:
+        layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    except AttributeError:
+        return None
     n_total = sum(p.numel() * _active_share(name, cfg) for name, p in model.named_parameters())
     n_embedding = model.get_input_embeddings().weight.numel()
     tied_head = model.get_output_embeddings().weight.numel() if cfg.tie_word_embeddings else 0
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+    attention = 12 * layers * heads * head_dim * seq_len
     return 6 * (n_total - n_embedding + tied_head) + attention
 
 

@@ -166,6 +166,22 @@ def test_a_model_transformers_cannot_checkpoint_is_skipped_with_gc_saying_why(
     assert json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--json")[1])["predicted"]["status"] == "ok"
 
 
+def test_a_model_whose_step_computes_on_its_datas_values_is_unsupported_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """BLT groups bytes into patches by their values (aten.nonzero): fake tensors hold no values, so the answer is
+    `unsupported` with that reason, not an error's traceback; nor does its config's nesting (no hidden_size at the
+    top: no FLOP count, no MFU) fail the step."""
+    from model_types import shrunk  # tools/
+
+    path = tmp_path / "blt" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(shrunk("blt")))
+    code, out = _ask(tmp_path, capsys, str(path), "--seq", "64", "--stack", "gc", "--json")
+    row = json.loads(out)["predicted"]
+    assert code == 3 and row["status"] == "unsupported", row
+    assert row["unsupported_reason"].startswith("the step computes on its data's values (aten.nonzero.default")
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("not json", "not a readable config.json"),
     ('{"hidden_size": 8}', "a JSON object with a 'model_type'"),

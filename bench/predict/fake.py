@@ -137,10 +137,15 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
     reason = unsupported_reason(cell)
     if reason:
         return {"status": "unsupported", "unsupported_reason": reason}
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
     start = time.perf_counter()
     try:
         with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
             found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
+    except (DynamicOutputShapeException, DataDependentOutputException) as err:  # the model's, not a failure to fix
+        return {"status": "unsupported", "unsupported_reason": f"the step computes on its data's values ({err}: "
+                "BLT's byte patches, say), which fake tensors do not hold: its shapes and branches are unknown"}
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         return {"status": "error", "error": "\n".join(text.strip().splitlines()[-12:])}
