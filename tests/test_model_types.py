@@ -83,5 +83,26 @@ def test_against_a_baseline_an_architecture_that_stops_predicting_fails(tmp_path
     table = out.read_text()
     assert "1 answers it predicted no longer predict" in table and "- bloom / gc: skipped: " in table
     assert json.loads(out.with_suffix(".json").read_text())["answers"][0]["model_type"] == "bloom"
+    again = tmp_path / "again.md"  # the table made again from the kept answers, nothing asked
+    render = [sys.executable, str(REPO / "tools" / "model_types.py"), "--render", str(out.with_suffix(".json")),
+              "--baseline", str(baseline), "--out", str(again)]
+    assert subprocess.run(render, capture_output=True, text=True).returncode == 1 and again.read_text() == table
     missing = subprocess.run([*command[:-4], "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
-    assert missing.returncode == 2 and "no such baseline" in missing.stderr
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_the_nightly_gate_asks_every_architecture_against_answers_under_the_baseline_releases() -> None:
+    """`make predict-architectures` (a step of the CPU gate's workflow) gates against the committed answers, made under
+    the releases the gate's baseline was predicted under (PREDICT_BASELINE_VERSIONS), with every text architecture."""
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    release_set = re.search(r"^PREDICT_BASELINE_VERSIONS \?= (\S+)$", makefile, re.M)
+    assert release_set and "results/model-types/$(PREDICT_BASELINE_VERSIONS).json" in makefile
+    answers = json.loads((REPO / "results" / "model-types" / f"{release_set[1]}.json").read_text())
+    pins = dict(line.split("==") for line in (REPO / "versions" / f"{release_set[1]}.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert answers["versions"].startswith(f"torch {pins['torch']}") and f"transformers {pins['transformers']}" in \
+        answers["versions"]
+    assert {a["model_type"] for a in answers["answers"]} == set(model_types.text_model_types())
+    assert "make predict-architectures" in (REPO / ".github" / "workflows" / "predict-gate.yml").read_text()

@@ -197,8 +197,9 @@ def markdown(answers: list[Answer], stacks: list[str], versions: str, real: dict
              "Each causal-LM model type of transformers, its defaults shrunk to two narrow layers, asked about at seq "
              "128 batch 1 on an H100 (`tools/model_types.py`). Predictions (fake runs on a CPU), not measurements: "
              "the peaks say the step ran, not what the full-size model needs. Where an answer failed, *real step* "
-             "says whether the shrunk config trains at all (one fp32 step on the CPU): if it does, the failure is "
-             "the predictor's. Generated; never edited by hand.", "",
+             "says whether the shrunk config trains at all (the bare model's fp32 step on the CPU): if it does, the "
+             "failure is the predictor's or the stack's on this architecture (peft's, say); if not, the shrinking's "
+             "or the architecture's. Generated; never edited by hand.", "",
              "; ".join(f"`{s}`: {counts[s]} of {len(by_type)} predicted" for s in stacks) +
              f"; {theirs} failed answers on configs that train for real, "
              f"{sum(a.status in FAILED for a in answers) - theirs} on configs that do not.", "",
@@ -266,35 +267,51 @@ def main() -> int:
                         "the table printed)")
     parser.add_argument("--baseline", type=Path, help="an earlier --out's JSON: exit 1 if an answer it predicted no "
                         "longer predicts")
+    parser.add_argument("--render", type=Path, help="an earlier --out's JSON: its table written again (to --out, "
+                        "else beside it), nothing asked")
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)  # runs_for_real's process: one real step
     args = parser.parse_args()
     if args.real:
         _real_step(args.real)
         return 0
-    stacks = args.stack or ["gc + lora", "mixed"]
-    every = text_model_types()
-    chosen = args.only.split(",") if args.only else every
-    unknown = sorted(set(chosen) - set(every))
-    problem = ("not text causal-LM model types here: " + ", ".join(unknown) if unknown else "--jobs must be 1 or more"
-               if args.jobs < 1 else f"no such baseline: {args.baseline}" if args.baseline and
-               not args.baseline.is_file() else "")
+    problem = _problem(args)
     if problem:
         print(f"model_types: {problem}", file=sys.stderr)
         return 2
-    answers, real = answer_all(chosen, stacks, args.jobs)
-    text = markdown(answers, stacks, versions(), real)
+    if args.render:
+        kept = json.loads(args.render.read_text())
+        answers, real, asked_under = [Answer(**a) for a in kept["answers"]], kept["real_step"], kept["versions"]
+        stacks = list(dict.fromkeys(a.stack for a in answers))
+    else:
+        stacks = args.stack or ["gc + lora", "mixed"]
+        answers, real = answer_all(args.only.split(",") if args.only else text_model_types(), stacks, args.jobs)
+        asked_under = versions()
+    text = markdown(answers, stacks, asked_under, real)
     gone = lost(json.loads(args.baseline.read_text()), answers) if args.baseline else []
     if args.baseline:
         text += (f"\nAgainst {args.baseline.name}: " + (f"{len(gone)} answers it predicted no longer predict:\n\n"
                  + "\n".join(f"- {line}" for line in gone) if gone else "every answer it predicted still predicts.")
                  + "\n")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(record(answers, real), indent=1) + "\n")
+    out = args.out or (args.render.with_suffix(".md") if args.render else None)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        if not args.render:
+            out.with_suffix(".json").write_text(json.dumps(record(answers, real), indent=1) + "\n")
     else:
         print(text, end="")
     return 1 if gone else 0
+
+
+def _problem(args: argparse.Namespace) -> str:
+    """What is wrong with the arguments, or ""."""
+    unknown = sorted(set(args.only.split(",")) - set(text_model_types())) if args.only else []
+    missing = [path for path in (args.baseline, args.render) if path and not path.is_file()]
+    if unknown:
+        return "not text causal-LM model types here: " + ", ".join(unknown)
+    if missing:
+        return f"no such file: {missing[0]}"
+    return "--jobs must be 1 or more" if args.jobs < 1 else ""
 
 
 def _said(a: Answer) -> Answer:
