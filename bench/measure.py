@@ -53,20 +53,31 @@ def flops_per_token(model: Any, seq_len: int) -> float | None:
     lm_head is counted once, since its matmul runs although its weight is the embedding's. In a
     mixture of experts a token runs only the experts it is routed to: a routed expert's parameters
     count at that share (`_active_share`). The second term is attention's score and value matmuls at
-    sequence length T. None for a config without the sizes the convention reads (BLT's are in nested configs):
-    the cell has no MFU, its step still runs.
+    sequence length T, summed over the layers (a heterogeneous config's, Gemma 4's, differ in head_dim). None for a
+    config without the sizes the convention reads (BLT's are in nested configs): the cell has no MFU, its step
+    still runs.
     """
     cfg = model.config
     try:
-        layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        attention = sum(12 * layer.num_attention_heads * _head_dim(layer) * seq_len for layer in _layer_configs(cfg))
     except AttributeError:
         return None
     n_total = sum(p.numel() * _active_share(name, cfg) for name, p in model.named_parameters())
     n_embedding = model.get_input_embeddings().weight.numel()
-    tied_head = model.get_output_embeddings().weight.numel() if cfg.tie_word_embeddings else 0
-    attention = 12 * layers * heads * head_dim * seq_len
+    head = model.get_output_embeddings()
+    tied_head = head.weight.numel() if head.weight is model.get_input_embeddings().weight else 0
     return 6 * (n_total - n_embedding + tied_head) + attention
+
+
+def _layer_configs(cfg: Any) -> list[Any]:
+    """One config per decoder layer: a heterogeneous config's own (transformers >= 5.2x), else the config itself."""
+    if getattr(cfg, "is_heterogeneous", False):
+        return list(cfg.per_layer_config)
+    return [cfg] * cfg.num_hidden_layers
+
+
+def _head_dim(layer: Any) -> int:
+    return getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
 
 
 # The config keys of a mixture of experts: how many routed experts a layer has, and how many run a token.

@@ -74,6 +74,37 @@ def test_a_mixture_of_experts_counts_the_flops_of_the_experts_a_token_runs(tmp_p
     assert measure.flops_per_token(llama, 64) == 6 * matmul_params + attention
 
 
+def test_flops_per_token_sums_attention_over_a_heterogeneous_configs_layers(tmp_path: Path) -> None:
+    """Gemma 4's layers differ in head_dim (its config's per_layer_config): reading one global head_dim raises, so the
+    attention term is each layer's own; a config whose tying is not a `tie_word_embeddings` flag (Inkling's) counts
+    the head by its weight being the embedding's."""
+    import json
+    import sys
+
+    import torch
+
+    from bench import models
+    from conftest import REPO
+
+    sys.path[:0] = [str(REPO / "tools")]
+    from model_types import shrunk
+
+    config = shrunk("gemma4_text")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(models.hf_config(models.get(models.register_file(
+            tmp_path / "config.json")), "sdpa"))
+    layers = list(model.config.per_layer_config)
+    assert len({layer.head_dim for layer in layers}) == 2  # the shrunk config keeps a layer of each kind
+    embedding = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embedding
+    matmul_params = sum(p.numel() for p in model.parameters()) - embedding.numel() + (embedding.numel() if tied else 0)
+    attention = sum(12 * layer.num_attention_heads * layer.head_dim * 64 for layer in layers)
+    assert measure.flops_per_token(model, 64) == 6 * matmul_params + attention
+
+
 def test_step_time_stats() -> None:
     stats = measure.step_time_stats([0.1, 0.1, 0.1, 0.1])
     assert stats["step_ms_p50"] == pytest.approx(100.0) and stats["step_time_cv"] == pytest.approx(0.0)
