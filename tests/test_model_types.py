@@ -104,5 +104,8 @@ def test_the_nightly_gate_asks_every_architecture_against_answers_under_the_base
                 if "==" in line and not line.startswith("#"))
     assert answers["versions"].startswith(f"torch {pins['torch']}") and f"transformers {pins['transformers']}" in \
         answers["versions"]
-    assert {a["model_type"] for a in answers["answers"]} == set(model_types.text_model_types())
+    import transformers
+
+    if transformers.__version__ == pins["transformers"]:  # a newer release may add architectures: asked about nightly
+        assert {a["model_type"] for a in answers["answers"]} == set(model_types.text_model_types())
     assert "make predict-architectures" in (REPO / ".github" / "workflows" / "predict-gate.yml").read_text()
