@@ -8,10 +8,11 @@ defaults shrunk to two narrow layers (`shrunk`) and written as a config.json, as
 then `python -m bench ask CONFIG --seq 128 --stack S --json` runs once per stack, each in a process of its own with
 a timeout, so one architecture that crashes or hangs costs only its own answer. The table (`--out`, markdown) gives
 each answer's status, peak allocated and reserved GiB (H100, predictions: fake runs on this CPU, not
-measurements), and for one that was not predicted the first line of why; beside the table, NAME.json keeps the
-answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if an answer it predicted no
-longer predicts; 2 on bad arguments. A new torch or transformers release that stops an architecture predicting shows here
-before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in the suite).
+measurements), and for one that was not predicted why (a reason's first line, an error's exception); beside the
+table, NAME.json keeps the answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if
+an answer it predicted no longer predicts; 2 on bad arguments. A new torch or transformers release that stops an
+architecture predicting shows here before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in
+the suite).
 
 Two stacks over transformers 5.24's 180 text model types take about 20 minutes on 2 cores with `--jobs 2`.
 """
@@ -115,7 +116,7 @@ class Answer:
     # crashed or timeout: no row came back
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
-    why: str = ""  # the first line of the reason it was not predicted
+    why: str = ""  # why it was not predicted: a reason's first line, an error's exception (its traceback's last line)
 
 
 def ask(config_path: Path, model_type: str, stack: str) -> Answer:
