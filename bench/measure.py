@@ -65,7 +65,7 @@ def flops_per_token(model: Any, seq_len: int) -> float | None:
     n_total = sum(p.numel() * _active_share(name, cfg) for name, p in model.named_parameters())
     n_embedding = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings()
-    tied_head = head.weight.numel() if head.weight is model.get_input_embeddings().weight else 0
+    tied_head = head.weight.numel() if head is not None and head.weight is model.get_input_embeddings().weight else 0
     return 6 * (n_total - n_embedding + tied_head) + attention
 
 
