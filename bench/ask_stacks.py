@@ -148,8 +148,9 @@ def fits_line(found: Stacks) -> str:
         return [a.cell.stack.label for a in found.answers if a.verdict == verdict]
 
     fitting, unjudged = of("fits"), of("not judged")
-    line = f"fits: {', '.join(fitting) if fitting else 'none of these' if not unjudged else 'none judged to'}"
-    return line + (f"; not judged: {', '.join(unjudged)} (see each row's line above)" if unjudged else "")
+    if not unjudged:
+        return f"fits: {', '.join(fitting) or 'none of these'}"
+    return f"fits: {', '.join(fitting) or 'none judged to'}; not judged: {', '.join(unjudged)} (see each row's line above)"
 
 
 def as_json(found: Stacks) -> str:
