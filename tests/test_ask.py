@@ -179,7 +179,8 @@ def test_a_model_whose_step_computes_on_its_datas_values_is_unsupported_saying_w
     code, out = _ask(tmp_path, capsys, str(path), "--seq", "64", "--stack", "gc", "--json")
     row = json.loads(out)["predicted"]
     assert code == 3 and row["status"] == "unsupported", row
-    assert row["unsupported_reason"].startswith("the step computes on its data's values (aten.nonzero.default")
+    assert row["unsupported_reason"].startswith("the step computes on its data's values (aten.nonzero.default at "
+                                                "modeling_blt.py:"), row  # the model's line that asked
 
 
 @pytest.mark.parametrize(("content", "message"), [

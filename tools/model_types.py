@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +42,54 @@ SMALL = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_at
              num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
              topk_group=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-             n_layer=2, n_embd=256, n_head=4)  # GPT-2's names
+             num_experts_per_token=2, num_expert_group=1,
+             n_layer=2, n_embd=256, n_head=4,  # GPT-2's names
+             n_layers=2, d_model=256,  # MPT's, DBRX's, XLNet's
+             decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=512, encoder_layers=2,  # BART's family's
+             encoder_attention_heads=4, encoder_ffn_dim=512, decoder_vocab_size=1024, ffn_dim=512,
+             ffn_hidden_size=512, intermediate_size_mlp=512, vocab_size_per_layer_input=1024, d_inner=512)
+
+
+def _small_tower(layers: int, **more: int) -> dict[str, int]:
+    """A sub-model's config (BLT's patcher, byte encoder and decoder, global transformer), as narrow as SMALL."""
+    return dict(hidden_size=256, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=512, head_dim=64, **more)
+
+
+# Where an architecture's defaults do not shrink by SMALL's names alone: sizes that must agree with SMALL's (Mamba
+# heads times head size = 2 x hidden_size), a default that cannot build (LFM2-MoE without layer_types), a derived size
+# the config keeps (LongCat's qk_head_dim), layer ids at the default depth; Gemma 3n's KV sharing (its last 15 layers
+# reuse earlier ones' caches) is off, two layers having none to share.
+OWN_SIZES: dict[str, dict[str, Any]] = {
+    "bailing_hybrid": {"layer_group_size": 2},  # each group's last layer is its full attention
+    "bamba": {"mamba_n_heads": 8, "mamba_d_head": 64},
+    "blt": {"vocab_size": 260, "encoder_hash_byte_group_vocab": 1024,  # bytes, and its towers' own configs
+            "patcher_config": _small_tower(2), "global_config": _small_tower(2),
+            "encoder_config": _small_tower(1, hidden_size_global=256),
+            "decoder_config": _small_tower(2, hidden_size_global=256)},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # as DBRX ships them: the
+             "ffn_config": {"hidden_size": 256, "ffn_hidden_size": 512, "moe_num_experts": 4, "moe_top_k": 2}},  # rest
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,  # its input,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},  # looped and output layers
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 64},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "longcat_flash": {"num_layers": 2, "qk_head_dim": 64, "moe_topk": 2, "zero_expert_num": 2,
+                      "expert_ffn_hidden_size": 128, "max_position_embeddings": 4096},
+    "mamba2": {"num_heads": 8},
+    "zamba2": {"hybrid_layer_ids": [1], "attention_hidden_size": 512, "attention_head_dim": 128, "mamba_headdim": 64},
+    "zaya": {"num_experts_per_tok": 1},
+}
 LAYER_INDEX_LISTS = ("mlp_only_layers",)  # indices of layers at the default depth: None lets the config derive them
 PER_LAYER_DICTS = ("per_layer_config",)  # layer index -> that layer's own settings (Gemma 4)
-DEPTHS = ("num_hidden_layers", "n_layer")
+DEPTHS = ("num_hidden_layers", "n_layer", "n_layers", "decoder_layers")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """transformers' default config of `model_type` as a dict, its sizes narrowed to SMALL's (where it has them),
-    then `extra`; its layers cut to a few that keep each kind of layer it has (`kept_layers`) and token ids kept
+    then its OWN_SIZES and `extra`; its layers cut to a few that keep each kind of layer it has (`kept_layers`) and token ids kept
     inside the smaller vocabulary."""
     from transformers import AutoConfig
 
@@ -62,10 +100,11 @@ def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, An
     config |= {key: value for key, value in SMALL.items() if key in config}
     if "kv_lora_rank" in config:  # latent attention: a head per query head, rope on a head's rope part
         config |= {"num_key_value_heads": config["num_attention_heads"], "head_dim": config["qk_rope_head_dim"]}
-    config |= extra or {}
+    own = OWN_SIZES.get(model_type, {}) | (extra or {})
+    config |= own
     per_layer = [key for key in per_layer if isinstance(config[key], list)]  # not one SMALL made a single size
     keep = list(range(int(config[depth_key]))) if depth_key else []
-    if per_layer and depth_key and depth_key not in (extra or {}):
+    if per_layer and depth_key and depth_key not in own:
         keep = kept_layers([config[key] for key in per_layer], int(SMALL[depth_key]))
         config |= {key: [config[key][i] for i in keep] for key in per_layer} | {depth_key: len(keep)}
     for key in PER_LAYER_DICTS:  # keyed by layer index: the kept layers', renumbered
@@ -117,6 +156,7 @@ class Answer:
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
     why: str = ""  # why it was not predicted: a reason's first line, an error's exception (its traceback's last line)
+    real_step: str | None = None  # a failed answer's step run for real (`runs_for_real`): "" it runs, else why not
 
 
 def ask(config_path: Path, model_type: str, stack: str) -> Answer:
@@ -156,11 +196,13 @@ def _exception(trace: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def runs_for_real(config_path: Path) -> str:
-    """Whether the shrunk config trains at all, outside the fake run: one real forward and backward on the CPU, fp32,
-    16 tokens, in a process of its own. "" if it does, else the exception: an answer that errs on a config that
-    does not run for real is the shrinking's failure, not the predictor's."""
-    command = [sys.executable, __file__, "--real", str(config_path)]
+def runs_for_real(config_path: Path, stack: str) -> str:
+    """Whether the shrunk config trains at all under `stack`, outside the fake run: one real step (forward, backward,
+    optimizer) of the cell the answer predicted, at 16 tokens, built by the suite's own trainer on the CPU, in a
+    process of its own. "" if it runs, else the exception: an answer that errs where the same step runs for real is
+    the predictor's failure; where it fails too, the shrinking's, the architecture's or the stack's (peft's LoRA,
+    say)."""
+    command = [sys.executable, __file__, "--real", str(config_path), "--stack", stack]
     try:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -169,49 +211,51 @@ def runs_for_real(config_path: Path) -> str:
 
 
 REAL_STEP_MAX_GIB = 6  # a shrunk config's real step takes well under 1 GiB; one that grows past this is stopped
+REAL_SEQ = 16  # tokens of the real step: enough for every layer kind, seconds on a CPU
 
 
-def _real_step(config_path: Path) -> None:
+def _real_step(config_path: Path, stack: str) -> None:
+    """The cell's step for real: the stack as `bench run` builds it (bf16 weights, its techniques, its engine), on
+    the CPU, one optimizer step. A stack the CPU cannot run (CUDA kernels) raises, saying so."""
     threading.Thread(target=_stop_past, args=(REAL_STEP_MAX_GIB,), daemon=True).start()
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    sys.path.insert(0, str(REPO))
+    from bench import cells, envinfo, models, spec, trainer
 
-    fields = json.loads(config_path.read_text())
-    config = AutoConfig.for_model(**fields)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.train()
-    ids = torch.randint(0, config.vocab_size, (1, 16))
-    model(input_ids=ids, labels=ids).loss.backward()
+    name = models.register_file(config_path)
+    matrix = spec.from_mapping("real", {"device": "cpu", "models": [name], "seq_lens": [REAL_SEQ],
+                                        "batch_sizes": [1], "stacks": [stack]})
+    (planned,) = cells.plan(matrix, envinfo.host_caps())
+    if planned.skip_reason:
+        raise RuntimeError(f"not run on the CPU: {planned.skip_reason}")
+    run = trainer.build(planned.cell)
+    run.step(run.batches()[0])
 
 
 FAILED = ("error", "crashed", "timeout")  # an answer that says nothing of the architecture: checked for real
 
 
-def markdown(answers: list[Answer], stacks: list[str], versions: str, real: dict[str, str]) -> str:
-    """The table: a row per model type, a column per stack, and where an answer failed, whether the shrunk config
-    trains for real (`real`: model type -> "" if it does, else why not)."""
+def markdown(answers: list[Answer], stacks: list[str], versions: str) -> str:
+    """The table: a row per model type, a column per stack; where an answer failed, whether its step runs for real."""
     by_type: dict[str, dict[str, Answer]] = {}
     for a in answers:
         by_type.setdefault(a.model_type, {})[a.stack] = a
     counts = {s: sum(by_type[t][s].status == "ok" for t in by_type) for s in stacks}
-    theirs = sum(a.status in FAILED and not real.get(a.model_type) for a in answers)
+    failed = [a for a in answers if a.status in FAILED]
+    theirs = sum(a.real_step == "" for a in failed)
     lines = [f"# Which architectures `bench predict` predicts ({versions})", "",
              "Each causal-LM model type of transformers, its defaults shrunk to two narrow layers, asked about at seq "
              "128 batch 1 on an H100 (`tools/model_types.py`). Predictions (fake runs on a CPU), not measurements: "
-             "the peaks say the step ran, not what the full-size model needs. Where an answer failed, *real step* "
-             "says whether the shrunk config trains at all (the bare model's fp32 step on the CPU): if it does, the "
-             "failure is the predictor's or the stack's on this architecture (peft's, say); if not, the shrinking's "
-             "or the architecture's. Generated; never edited by hand.", "",
+             "the peaks say the step ran, not what the full-size model needs. Where an answer failed, the same cell's "
+             f"step was run for real: built by the suite's trainer on the CPU, {REAL_SEQ} tokens, one optimizer step. "
+             "If it runs, the failure is the predictor's; if it fails too, the shrinking's, the architecture's or the "
+             "stack's on it (peft's LoRA, say). Generated; never edited by hand.", "",
              "; ".join(f"`{s}`: {counts[s]} of {len(by_type)} predicted" for s in stacks) +
-             f"; {theirs} failed answers on configs that train for real, "
-             f"{sum(a.status in FAILED for a in answers) - theirs} on configs that do not.", "",
-             "| model type | " + " | ".join(f"`{s}`" for s in stacks) + " | real step |",
-             "|---|" + "---|" * (len(stacks) + 1)]
+             f"; {theirs} failed answers whose step runs for real, {len(failed) - theirs} whose step fails for real "
+             "too.", "",
+             "| model type | " + " | ".join(f"`{s}`" for s in stacks) + " |",
+             "|---|" + "---|" * len(stacks)]
     for model_type in sorted(by_type):
-        checked = model_type in real
-        step = ("" if not checked else "runs" if not real[model_type] else
-                f"**fails**: {real[model_type].replace('|', '/')}")
-        lines.append(f"| {model_type} | " + " | ".join(_cell(by_type[model_type][s]) for s in stacks) + f" | {step} |")
+        lines.append(f"| {model_type} | " + " | ".join(_cell(by_type[model_type][s]) for s in stacks) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +263,13 @@ def _cell(a: Answer) -> str:
     if a.status == "ok":
         return f"ok: {a.peak_allocated_gib:.3f} / {a.peak_reserved_gib:.3f} GiB"
     why = re.sub(r"\S*/([^/\s]+/config\.json)", r"\1", a.why)  # the config's temporary folder, named by its type
-    return f"**{a.status}**: {why.replace('|', '/')}"
+    said = f"**{a.status}**: {why.replace('|', '/')}"
+    if a.real_step is None:
+        return said
+    if a.real_step == "":
+        return said + "; **runs for real**"
+    same = a.real_step[:80] == a.why[:80]  # an error's exception, or the real step's within its first 80 characters
+    return said + ("; fails for real too" if same else f"; fails for real: {a.real_step.replace('|', '/')}")
 
 
 def versions() -> str:
@@ -229,9 +279,8 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def answer_all(chosen: list[str], stacks: list[str], jobs: int) -> tuple[list[Answer], dict[str, str]]:
-    """Every (model type, stack) answered, `jobs` at a time; and for each model type with a failed answer, whether its
-    shrunk config trains for real."""
+def answer_all(chosen: list[str], stacks: list[str], jobs: int) -> list[Answer]:
+    """Every (model type, stack) answered, `jobs` at a time; a failed answer with whether its step runs for real."""
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for model_type in chosen:
@@ -241,14 +290,13 @@ def answer_all(chosen: list[str], stacks: list[str], jobs: int) -> tuple[list[An
         questions = [(t, s) for t in chosen for s in stacks]
         with ThreadPoolExecutor(jobs) as pool:
             answers = list(pool.map(lambda q: _said(ask(paths[q[0]], *q)), questions))
-            failed = sorted({a.model_type for a in answers if a.status in FAILED})
-            real = dict(zip(failed, pool.map(lambda t: runs_for_real(paths[t]), failed), strict=True))
-    return answers, real
+            return list(pool.map(lambda a: a if a.status not in FAILED else
+                                 replace(a, real_step=runs_for_real(paths[a.model_type], a.stack)), answers))
 
 
-def record(answers: list[Answer], real: dict[str, str]) -> dict[str, Any]:
+def record(answers: list[Answer]) -> dict[str, Any]:
     """What `--out` keeps beside its table (NAME.json), for a later `--baseline`."""
-    return {"versions": versions(), "answers": [asdict(a) for a in answers], "real_step": real}
+    return {"versions": versions(), "answers": [asdict(a) for a in answers]}
 
 
 def lost(baseline: dict[str, Any], answers: list[Answer]) -> list[str]:
@@ -275,7 +323,7 @@ def main() -> int:
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)  # runs_for_real's process: one real step
     args = parser.parse_args()
     if args.real:
-        _real_step(args.real)
+        _real_step(args.real, (args.stack or ["baseline"])[0])
         return 0
     problem = _problem(args)
     if problem:
@@ -283,13 +331,13 @@ def main() -> int:
         return 2
     if args.render:
         kept = json.loads(args.render.read_text())
-        answers, real, asked_under = [Answer(**a) for a in kept["answers"]], kept["real_step"], kept["versions"]
+        answers, asked_under = [Answer(**a) for a in kept["answers"]], kept["versions"]
         stacks = list(dict.fromkeys(a.stack for a in answers))
     else:
         stacks = args.stack or ["gc + lora", "mixed"]
-        answers, real = answer_all(args.only.split(",") if args.only else text_model_types(), stacks, args.jobs)
+        answers = answer_all(args.only.split(",") if args.only else text_model_types(), stacks, args.jobs)
         asked_under = versions()
-    text = markdown(answers, stacks, asked_under, real)
+    text = markdown(answers, stacks, asked_under)
     gone = lost(json.loads(args.baseline.read_text()), answers) if args.baseline else []
     if args.baseline:
         text += (f"\nAgainst {args.baseline.name}: " + (f"{len(gone)} answers it predicted no longer predict:\n\n"
@@ -300,7 +348,7 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         if not args.render:
-            out.with_suffix(".json").write_text(json.dumps(record(answers, real), indent=1) + "\n")
+            out.with_suffix(".json").write_text(json.dumps(record(answers), indent=1) + "\n")
     else:
         print(text, end="")
     return 1 if gone else 0

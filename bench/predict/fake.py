@@ -144,12 +144,27 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
         with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
             found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
     except (DynamicOutputShapeException, DataDependentOutputException) as err:  # the model's, not a failure to fix
-        return {"status": "unsupported", "unsupported_reason": f"the step computes on its data's values ({err}: "
-                "BLT's byte patches, say), which fake tensors do not hold: its shapes and branches are unknown"}
+        return {"status": "unsupported", "unsupported_reason": data_dependent_reason(err)}
     except Exception as err:  # a prediction that fails says why, and the next cell goes on
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         return {"status": "error", "error": "\n".join(text.strip().splitlines()[-12:])}
     return {"status": "ok", **found, "predict_s": time.perf_counter() - start}
+
+
+def data_dependent_reason(err: BaseException) -> str:
+    """Why a step whose shapes or branches follow its data's values is not predicted: the op, and the model's line
+    that asked it (a mixture of experts that loops over the experts its tokens chose, as DBRX's and LongCat's do;
+    BLT's byte patches), so a user sees which module a fake tensor cannot follow."""
+    import torch
+
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch's dispatch, our counter
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(ours)]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" at {os.path.basename(last.filename)}:{last.lineno}, in {last.name}: `{(last.line or '').strip()}`"
+    return (f"the step computes on its data's values ({err}{where}), which fake tensors do not hold: its shapes and "
+            "branches are unknown")
 
 
 def trace_of(cell: Cell, gpu: GpuKind) -> tuple[list[tuple[str, int, int, int]], list[Record]]:
