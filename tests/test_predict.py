@@ -130,6 +130,24 @@ def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> N
 
 
 
+def test_a_model_that_makes_its_own_all_ones_mask_is_counted_as_a_real_run_counts(tmp_path: Path) -> None:
+    """BART's decoder (and its family's) makes an all-ones padding mask when given none. On real tensors transformers
+    reads it, finds nothing masked and skips the (B, 1, S, S) mask (SDPA's is_causal); on fake tensors it cannot read
+    it and built the mask: 32 KiB more at this cell's forward peak, and on a GPU a masked attention kernel where the
+    real step takes flash attention. Where no batch pads, the fake run now skips it too (fake._unpadded_known)."""
+    sys.path[:0] = [str(REPO / "tools")]
+    from model_types import shrunk
+
+    path = tmp_path / "bart" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(shrunk("bart")))
+    cell = make_cell(SMOKE, "cpu", models.register_file(path), 64, 2, parse_stack("mixed"))
+    fake_counter, _, fake_state = fake.counted_run(cell, Workspaces())
+    real_counter, _, real_state = fake.counted_run(cell, Workspaces(), fake=False)
+    steps = {k: v for k, v in fake_counter.phase_peaks.items() if k != "build"}
+    assert steps == {k: real_counter.phase_peaks[k] for k in steps} and fake_state == real_state
+
+
 def test_fp32_experts_are_predicted_as_cudas_fallback_runs_them_and_their_step_is_not_timed() -> None:
     """A mixture of experts under `mixed`: its fp32 grouped matmuls take CUDA's fallback (a synchronisation and a
     matmul an expert each call), so the prediction has its memory and no step time, and says why; in bf16 the

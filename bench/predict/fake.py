@@ -36,9 +36,11 @@ process as rank 0 of `gpus` ranks): collectives return at once without moving da
 allocates its all-gather and reduce-scatter buffers as on a GPU, so the counter sees one rank's
 memory. FSDP2 pads every shard to the same size, so rank 0 stands for every rank.
 
-One thing transformers does differently on fake tensors: it treats them as tracing, so it cannot
-read position ids to see that a batch is not packed, and would build an explicit (B, 1, S, S) mask
-a real run never builds. The data layout is known, so the answer is given (`_packing_known`).
+Two things transformers does differently on fake tensors: it treats them as tracing, so it cannot
+read position ids to see that a batch is not packed, nor read a padding mask to see that it pads
+nothing, and would build an explicit (B, 1, S, S) mask a real run never builds (and take attention
+kernels that a mask rules out: no flash attention). The data layout is known, so the answers are
+given (`_packing_known`, `_unpadded_known`).
 """
 
 from __future__ import annotations
@@ -384,7 +386,8 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
             return counter, built, _steps(cell, built, batches, counter, kernel_work, fake=False)
     built = trainer.build_model(cell, device="meta")
     real_batches = _cell_batches(cell, built)
-    with _packing_known(built.setup.data == "pack"), bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
+    with _packing_known(built.setup.data == "pack"), _unpadded_known(_padded(real_batches)), \
+            bnb.real_quantization_maps(), bnb.paged_state_apart(counter), \
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
             int8.predicting(cell, built.model), compiled.predicting(cell.stack), grouped_mm.as_cuda_runs(), \
@@ -609,6 +612,38 @@ def _cce(cell: Cell) -> contextlib.AbstractContextManager[None]:
 def _use(cell: Cell, name: str) -> Any:
     """The stack's use of technique `name`, or None."""
     return next((use for use in cell.stack.uses if use.name == name), None)
+
+
+def _padded(batches: list[data.Batch]) -> bool:
+    """Whether any batch masks a position (its attention mask holds a 0)."""
+    return any(b.attention_mask is not None and not bool(b.attention_mask.all()) for b in batches)
+
+
+@contextlib.contextmanager
+def _unpadded_known(padded: bool) -> Iterator[None]:
+    """transformers skips the attention mask where a padding mask masks nothing (SDPA's is_causal instead), but
+    on fake tensors cannot read the mask and builds it. A model that makes its own all-ones mask when given none
+    (BART's decoder and its family) would build a (B, 1, S, S) mask on fake tensors that a real run skips. Where no
+    batch pads, every padding mask holds ones, and the answer is given: the mask skipped, as a real run finds."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    originals = {name: getattr(masking_utils, name) for name in ("_ignore_causal_mask_sdpa",
+                                                                  "_ignore_bidirectional_mask_sdpa")}
+
+    def unpadded(original: Callable[..., bool]) -> Callable[..., bool]:
+        def ignore(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+            return original(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+        return ignore
+
+    if not padded:
+        for name, original in originals.items():
+            setattr(masking_utils, name, unpadded(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
 
 
 @contextlib.contextmanager
