@@ -10,7 +10,9 @@
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE, and every stack once
 #                    (coverage: does each still predict?) against PREDICT_COVERAGE_BASELINE (CPU only)
 # make predict-architectures  every text causal-LM architecture of transformers asked about under VERSIONS
-#                    (tools/model_types.py), failing if one the committed answers predicted no longer does (CPU only)
+#                    (tools/model_types.py), failing if one the committed answers predicted no longer does; then each
+#                    one predicted run on fake and on real CPU tensors (tools/fake_vs_real.py), failing if a pair
+#                    the committed comparison found equal no longer is (CPU only)
 # make regress   regress matrix (GPU) under VERSIONS, gated against REGRESS_BASELINE with `bench compare`
 # make gpu-backlog  on one GPU host: every GPU run the published results still lack (resumable), raw rows tarred
 # make gpu-window   the same for one window of a lent GPU: stops before BUDGET_S seconds, tars into $OUT
@@ -32,6 +34,7 @@ PREDICT_COVERAGE_BASELINE ?= coverage-predicted-h100-20261130
 PREDICT_COVERAGE_RUN = coverage-predicted-$(or $(VERSIONS),current)
 # the architectures' answers under PREDICT_BASELINE_VERSIONS (tools/model_types.py --out)
 PREDICT_ARCHITECTURES_BASELINE ?= results/model-types/$(PREDICT_BASELINE_VERSIONS).json
+PREDICT_FAKE_VS_REAL_BASELINE ?= results/model-types/$(PREDICT_BASELINE_VERSIONS)-fake-vs-real.json
 JOBS ?= 2
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
@@ -93,9 +96,13 @@ predict-gate:  # a torch / transformers / peft release that changes training mem
 	if [ $$status -ne 0 ]; then echo "predict-gate: FAIL (the reports above say which gate)" >&2; fi; \
 	exit $$status
 
-predict-architectures:  # a release that stops an architecture's prediction, caught before a user asks about it
-	$(REGRESS_PY) tools/model_types.py --jobs $(JOBS) --baseline $(PREDICT_ARCHITECTURES_BASELINE) \
-		--out $(PREDICT_GATE_DIR)/model-types/$(or $(VERSIONS),current).md
+predict-architectures:  # a release that stops an architecture's prediction, or moves what it counts, caught first
+	status=0; out=$(PREDICT_GATE_DIR)/model-types/$(or $(VERSIONS),current); \
+	$(REGRESS_PY) tools/model_types.py --jobs $(JOBS) --baseline $(PREDICT_ARCHITECTURES_BASELINE) --out $$out.md \
+		|| status=1; \
+	$(REGRESS_PY) tools/fake_vs_real.py $$out.json --jobs $(JOBS) --baseline $(PREDICT_FAKE_VS_REAL_BASELINE) \
+		--out $$out-fake-vs-real.md || status=1; \
+	exit $$status
 
 test:
 	$(PY) -m pytest -q

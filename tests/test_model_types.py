@@ -131,3 +131,40 @@ def test_the_nightly_gate_asks_every_architecture_against_answers_under_the_base
     if transformers.__version__ == pins["transformers"]:  # a newer release may add architectures: asked about nightly
         assert {a["model_type"] for a in answers["answers"]} == set(model_types.text_model_types())
     assert "make predict-architectures" in (REPO / ".github" / "workflows" / "predict-gate.yml").read_text()
+    # and the fake-vs-real comparison it gates against is of those very answers: every pair they predicted
+    assert "results/model-types/$(PREDICT_BASELINE_VERSIONS)-fake-vs-real.json" in makefile
+    compared = json.loads((REPO / "results" / "model-types" / f"{release_set[1]}-fake-vs-real.json").read_text())
+    assert compared["sweep"] == f"{release_set[1]}.json" and compared["versions"] == answers["versions"]
+    assert {(p["model_type"], p["stack"]) for p in compared["pairs"]} == {
+        (a["model_type"], a["stack"]) for a in answers["answers"] if a["status"] == "ok"}
+
+
+def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_tensors(tmp_path: Path) -> None:
+    """tools/fake_vs_real.py: each pair a sweep predicted counted on fake and on real CPU tensors; equal to the byte
+    for Llama; with `--baseline`, only a pair equal there that no longer is fails (exit 1)."""
+    import subprocess
+
+    import fake_vs_real  # tools/
+
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"answers": [{"model_type": "llama", "stack": "gc + lora", "status": "ok"},
+                                             {"model_type": "llama", "stack": "no_such_technique", "status": "ok"},
+                                             {"model_type": "bloom", "stack": "gc + lora", "status": "skipped"}]}))
+    out = tmp_path / "fvr.md"
+    command = [sys.executable, str(REPO / "tools" / "fake_vs_real.py"), str(sweep), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr  # a pair that fails (its stack, here) fails the comparison
+    assert "2 pairs: 1 equal, 0 differ, 1 failed." in out.read_text()  # the skipped answer is not a pair
+    equal, failed = json.loads(out.with_suffix(".json").read_text())["pairs"]
+    assert equal["fake_phases"] == equal["real_phases"] and "measure/backward" in equal["fake_phases"]
+    assert failed["status"] == "failed" and "no_such_technique" in failed["why"]
+    for was, code in (("failed", 0), ("equal", 1)):  # judged against a baseline: only a pair equal there counts
+        baseline = tmp_path / f"{was}.json"
+        baseline.write_text(json.dumps({"pairs": [{"model_type": "llama", "stack": "no_such_technique", "status": was}]}))
+        assert subprocess.run([*command, "--baseline", str(baseline)], capture_output=True).returncode == code, was
+    differing = fake_vs_real.Pair("llama", "gc", "differs", {"first_step/forward": 3 * 2**20},
+                                  {"first_step/forward": 2 * 2**20}, 0.5, 0.5)
+    assert differing.worst == ("first_step/forward", 3 * 2**20, 2**21)
+    assert "first_step/forward 3.000 MiB fake, 2.000 MiB real (+50.00%)" in fake_vs_real._result(differing)
+    missing = subprocess.run([*command, "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "--baseline" in missing.stderr
