@@ -18,8 +18,9 @@ The build is the worker's (bench/trainer.py), so what is predicted is what would
    context are known, the device's peak and whether the cell fits.
 
 Fake *CPU* tensors carry CUDA's memory where it matters: sdpa dispatches to flash attention for
-CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW, autocast and
-non-reentrant checkpointing run as they do on a GPU. What no fake kernel allocates is added by
+CPU, which saves output + logsumexp like CUDA's flash kernel; fused AdamW and non-reentrant
+checkpointing run as they do on a GPU; autocast casts as CUDA's does (bench/predict/autocast.py:
+CPU's runs a LayerNorm or a softmax of bf16 in bf16, CUDA's in fp32). What no fake kernel allocates is added by
 the counter from the GPU kind: cuBLAS workspaces (bench/predict/cublas.py: their size by the GPU kind, how
 long they live by the torch release), and the scratch some CUDA
 kernels allocate inside their op (the attention's backward, cuDNN's or flash's: bench/predict/attention.py;
@@ -60,6 +61,7 @@ from . import (
     adafactor,
     allocator,
     attention,
+    autocast,
     bnb,
     cce,
     compiled,
@@ -374,7 +376,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     if not fake:
         with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), \
                 lowrank.predicting(cell.stack.names), compiled.predicting(cell.stack, fake=False), \
-                counter:  # the branches the fake run takes, to compare like with like
+                autocast.as_cuda_casts(), counter:  # the branches the fake run takes, to compare like with like
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 if tensor.is_meta:  # deferred (FSDP2): made when the engine has sharded them
@@ -391,7 +393,7 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
             _ddp(cell), fsdp_offload.predicting(cell, counter), lowrank.predicting(cell.stack.names), \
             adafactor.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
             int8.predicting(cell, built.model), compiled.predicting(cell.stack), grouped_mm.as_cuda_runs(), \
-            FakeTensorMode() as mode, counter:
+            autocast.as_cuda_casts(), FakeTensorMode() as mode, counter:
         if _loaded(cell):
             _load_warmup_made_then_freed(built.model)
         model = _fake_parameters(built.model, counter, deferred=built.deferred is not None)

@@ -93,7 +93,11 @@ METHOD = "fake-run/29"  # bump when what a prediction counts changes (2: reserve
 # 29: a padding mask the model makes itself when given none (all ones: BART's decoder and its family) skipped as
 # transformers skips it on real tensors (fake._unpadded_known), where the fake run had built a (B, 1, S, S) mask and
 # taken a masked attention kernel, which moves only models that make one: none in the registry, no published figure
-# (found by tools/fake_vs_real.py, which sets every architecture's fake run beside its real one on the CPU)
+# (found by tools/fake_vs_real.py, which sets every architecture's fake run beside its real one on the CPU); and
+# `mixed` cast as CUDA's autocast casts (bench/predict/autocast.py: a LayerNorm, RMSNorm, softmax, sum, exp, ... of a
+# bf16 tensor in fp32, where CPU's autocast, which the fake CPU tensors took, left them bf16), which moves only
+# models that give such an op a bf16 tensor under `mixed` (Persimmon's q/k LayerNorms): no registry model, no
+# published figure (Llama-3.2-1B/3B, OLMoE `mixed`, fsdp(precision=mixed) predicted the same to the byte)
 
 
 @dataclass(frozen=True)
