@@ -158,6 +158,10 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
     equal, failed = json.loads(out.with_suffix(".json").read_text())["pairs"]
     assert equal["fake_phases"] == equal["real_phases"] and "measure/backward" in equal["fake_phases"]
     assert failed["status"] == "failed" and "no_such_technique" in failed["why"]
+    again = tmp_path / "again.md"  # the table made again from the kept pairs, nothing run
+    render = [sys.executable, str(REPO / "tools" / "fake_vs_real.py"), "--render", str(out.with_suffix(".json")),
+              "--out", str(again)]
+    assert subprocess.run(render, capture_output=True).returncode == 0 and again.read_text() == out.read_text()
     for was, code in (("failed", 0), ("equal", 1)):  # judged against a baseline: only a pair equal there counts
         baseline = tmp_path / f"{was}.json"
         baseline.write_text(json.dumps({"pairs": [{"model_type": "llama", "stack": "no_such_technique", "status": was}]}))

@@ -128,10 +128,10 @@ def markdown(found: list[Pair], sweep_name: str, versions: str) -> str:
              "and the optimizer state are the same to the byte. CPU runs, not GPU measurements: what a GPU adds "
              "(workspaces, kernels' scratch, the allocator) is checked against GPU rows, in PREDICTION.md. "
              "Generated; never edited by hand.", "",
-             f"{len(found)} pairs: {counts['equal']} equal, {counts['differs']} differ, {counts['failed']} failed.", ""]
+             f"{len(found)} pairs: {counts['equal']} equal, {counts['differs']} differ, {counts['failed']} failed."]
     unequal = [p for p in found if p.status != "equal"]
     if unequal:
-        lines += ["| model type | stack | result |", "|---|---|---|"]
+        lines += ["", "| model type | stack | result |", "|---|---|---|"]
         lines += [f"| {p.model_type} | `{p.stack}` | {_result(p)} |" for p in unequal]
     lines += ["", "Equal: " + ", ".join(f"{p.model_type} (`{p.stack}`)" for p in found if p.status == "equal") + "."]
     return "\n".join(lines) + "\n"
@@ -156,6 +156,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="the markdown table, and beside it the pairs as JSON")
     parser.add_argument("--baseline", type=Path, help="an earlier --out's JSON: exit 1 only if a pair equal there "
                         "no longer is")
+    parser.add_argument("--render", type=Path, help="an earlier --out's JSON: its table written again (to --out, else "
+                        "beside it), nothing run")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # compare's process: one config
     parser.add_argument("--stack", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -166,6 +168,11 @@ def main() -> int:
             except Exception as err:  # this stack's; the type's other stacks still run
                 counts = {"error": f"{type(err).__name__}: {err}"[:200]}
             print(json.dumps(counts), flush=True)
+        return 0
+    if args.render:
+        kept = json.loads(args.render.read_text())
+        text = markdown([Pair(**p) for p in kept["pairs"]], kept["sweep"], kept["versions"])
+        (args.out or args.render.with_suffix(".md")).write_text(text)
         return 0
     if args.sweep is None or not args.sweep.is_file() or args.jobs < 1 or (args.baseline and not args.baseline.is_file()):
         print("fake_vs_real: give a model-types sweep's JSON that exists (and a --baseline that does), and --jobs 1 or "

@@ -8,8 +8,9 @@ defaults shrunk to two narrow layers (`shrunk`) and written as a config.json, as
 then `python -m bench ask CONFIG --seq 128 --stack S --json` runs once per stack, each in a process of its own with
 a timeout, so one architecture that crashes or hangs costs only its own answer. The table (`--out`, markdown) gives
 each answer's status, peak allocated and reserved GiB (H100, predictions: fake runs on this CPU, not
-measurements), and for one that was not predicted why (a reason's first line, an error's exception); beside the
-table, NAME.json keeps the answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if
+measurements), and for one that was not predicted why (a reason's first line, an error's exception), and for one that
+failed whether the same cell's step runs for real (`runs_for_real`: if it does, the failure is the predictor's);
+beside the table, NAME.json keeps the answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if
 an answer it predicted no longer predicts; 2 on bad arguments. A new torch or transformers release that stops an
 architecture predicting shows here before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in
 the suite).
