@@ -631,7 +631,8 @@ def _unpadded_known(padded: bool) -> Iterator[None]:
     from transformers import masking_utils
 
     originals = {name: getattr(masking_utils, name) for name in ("_ignore_causal_mask_sdpa",
-                                                                  "_ignore_bidirectional_mask_sdpa")}
+                                                                  "_ignore_bidirectional_mask_sdpa")
+                 if hasattr(masking_utils, name)}  # a transformers without one: the other alone
 
     def unpadded(original: Callable[..., bool]) -> Callable[..., bool]:
         def ignore(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
