@@ -140,16 +140,13 @@ def test_an_architecture_unlike_llamas_is_counted_as_a_real_run_counts(model_typ
     autocast kept their statistics fp32 on real tensors and bf16 on fake ones (8 KiB apart at the backward peak);
     with CUDA's casts on both sides (bench/predict/autocast.py) the two count alike."""
     sys.path[:0] = [str(REPO / "tools")]
-    from model_types import shrunk
+    import fake_vs_real
+    import model_types
 
-    path = tmp_path / model_type / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(shrunk(model_type)))
-    cell = make_cell(SMOKE, "cpu", models.register_file(path), 64, 2, parse_stack("mixed"))
-    fake_counter, _, fake_state = fake.counted_run(cell, Workspaces())
-    real_counter, _, real_state = fake.counted_run(cell, Workspaces(), fake=False)
-    steps = {k: v for k, v in fake_counter.phase_peaks.items() if k != "build"}
-    assert steps == {k: real_counter.phase_peaks[k] for k in steps} and fake_state == real_state
+    (path,) = model_types.shrunk_configs(tmp_path, [model_type]).values()
+    counts = fake_vs_real.counted(path, "mixed")  # the cell and the comparison the tool makes
+    assert counts["fake_phases"] == counts["real_phases"] and "measure/backward" in counts["fake_phases"]
+    assert counts["fake_state_gib"] == counts["real_state_gib"] > 0
 
 
 def test_mixed_precision_casts_as_cudas_autocast_casts() -> None:

@@ -109,11 +109,7 @@ def compare_all(pairs: list[tuple[str, str]], jobs: int) -> list[Pair]:
     for model_type, stack in pairs:
         stacks.setdefault(model_type, []).append(stack)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        for model_type in stacks:
-            paths[model_type] = Path(tmp) / model_type / "config.json"
-            paths[model_type].parent.mkdir()
-            paths[model_type].write_text(json.dumps(model_types.shrunk(model_type)))
+        paths = model_types.shrunk_configs(Path(tmp), list(stacks))
         with ThreadPoolExecutor(jobs) as pool:
             found = [p for ps in pool.map(lambda t: compare(paths[t], t, stacks[t]), stacks) for p in ps]
     return [_said(p) for p in found]

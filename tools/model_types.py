@@ -280,14 +280,20 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+def shrunk_configs(folder: Path, chosen: list[str]) -> dict[str, Path]:
+    """Each model type's shrunk config written as FOLDER/TYPE/config.json, as a user's download would bring it."""
+    paths = {}
+    for model_type in chosen:
+        paths[model_type] = folder / model_type / "config.json"
+        paths[model_type].parent.mkdir()
+        paths[model_type].write_text(json.dumps(shrunk(model_type)))
+    return paths
+
+
 def answer_all(chosen: list[str], stacks: list[str], jobs: int) -> list[Answer]:
     """Every (model type, stack) answered, `jobs` at a time; a failed answer with whether its step runs for real."""
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        for model_type in chosen:
-            paths[model_type] = Path(tmp) / model_type / "config.json"
-            paths[model_type].parent.mkdir()
-            paths[model_type].write_text(json.dumps(shrunk(model_type)))
+        paths = shrunk_configs(Path(tmp), chosen)
         questions = [(t, s) for t in chosen for s in stacks]
         with ThreadPoolExecutor(jobs) as pool:
             answers = list(pool.map(lambda q: _said(ask(paths[q[0]], *q)), questions))
