@@ -8,7 +8,8 @@
 # make site     site/index.html: every published table as one page (filters, fits in N GiB, plots, detail)
 # make predict   each cell's peak allocated GPU memory, predicted on this CPU (MATRIX=..)
 # make predict-gate  the regress matrix predicted under VERSIONS, compared with PREDICT_BASELINE, and every stack once
-#                    (coverage: does each still predict?) against PREDICT_COVERAGE_BASELINE (CPU only)
+#                    (coverage: does each still predict?) against PREDICT_COVERAGE_BASELINE; then each stack's fake run
+#                    beside real CPU tensors on the tiny models (tools/fake_vs_real.py --stacks) (CPU only)
 # make predict-architectures  every text causal-LM architecture of transformers asked about under VERSIONS
 #                    (tools/model_types.py), failing if one the committed answers predicted no longer does; then each
 #                    one predicted run on fake and on real CPU tensors (tools/fake_vs_real.py), failing if a pair
@@ -35,6 +36,9 @@ PREDICT_COVERAGE_RUN = coverage-predicted-$(or $(VERSIONS),current)
 # the architectures' answers under PREDICT_BASELINE_VERSIONS (tools/model_types.py --out)
 PREDICT_ARCHITECTURES_BASELINE ?= results/model-types/$(PREDICT_BASELINE_VERSIONS).json
 PREDICT_FAKE_VS_REAL_BASELINE ?= results/model-types/$(PREDICT_BASELINE_VERSIONS)-fake-vs-real.json
+# every stack of the coverage matrix on these tiny models, fake against real CPU tensors, under PREDICT_BASELINE_VERSIONS
+PREDICT_STACKS_MODELS ?= tiny-llama,tiny-olmoe,tiny-qwen2,tiny-mistral
+PREDICT_STACKS_FAKE_VS_REAL_BASELINE ?= results/coverage/$(PREDICT_BASELINE_VERSIONS)-fake-vs-real.json
 JOBS ?= 2
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
@@ -83,8 +87,9 @@ site:
 predict-gate:  # a torch / transformers / peft release that changes training memory, caught on a CPU
 	$(REGRESS_PY) -m bench --results-dir $(PREDICT_GATE_DIR) predict regress --run-id $(PREDICT_GATE_RUN) --redo $(ARGS)
 	# then every stack once: does each stack's prediction still run under these releases? (status gated; moves
-	# shown). Both gates run and report whatever the first says (a release that moves the regress cells may also
-	# break a stack); the target fails if either does
+	# shown); and does each stack's fake run still count what its real CPU step counts, on the tiny models? (gated on
+	# the pairs equal under the baseline's releases). Every gate runs and reports whatever the others say (a release
+	# that moves the regress cells may also break a stack); the target fails if any does
 	status=0; \
 	$(REGRESS_PY) -m bench compare results/regress/predicted/$(PREDICT_BASELINE).parquet \
 		$(PREDICT_GATE_DIR)/regress/predicted/$(PREDICT_GATE_RUN).parquet \
@@ -93,6 +98,9 @@ predict-gate:  # a torch / transformers / peft release that changes training mem
 	&& $(REGRESS_PY) -m bench compare results/coverage/predicted/$(PREDICT_COVERAGE_BASELINE).parquet \
 		$(PREDICT_GATE_DIR)/coverage/predicted/$(PREDICT_COVERAGE_RUN).parquet --status-only \
 		--out results/coverage/compare/$(PREDICT_COVERAGE_BASELINE)_vs_$(PREDICT_COVERAGE_RUN).md || status=1; \
+	$(REGRESS_PY) tools/fake_vs_real.py --stacks coverage --models $(PREDICT_STACKS_MODELS) --jobs $(JOBS) \
+		--baseline $(PREDICT_STACKS_FAKE_VS_REAL_BASELINE) \
+		--out $(PREDICT_GATE_DIR)/coverage/fake-vs-real-$(or $(VERSIONS),current).md || status=1; \
 	if [ $$status -ne 0 ]; then echo "predict-gate: FAIL (the reports above say which gate)" >&2; fi; \
 	exit $$status
 

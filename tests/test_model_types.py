@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 sys.path[:0] = [str(REPO / "tools")]
@@ -172,3 +174,58 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
     assert "first_step/forward 3.000 MiB fake, 2.000 MiB real (+50.00%)" in fake_vs_real._result(differing)
     missing = subprocess.run([*command, "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert missing.returncode == 2 and "--baseline" in missing.stderr
+
+
+@pytest.mark.slow
+def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path: Path) -> None:
+    """tools/fake_vs_real.py --stacks: each stack of a matrix on each registry model, counted on fake and on real CPU
+    tensors; an engine's stacks and those needing CUDA are named with the reason and not run; a stack whose real step
+    fails here (peft refusing DoRA on OLMoE's fused experts) is `no real step`, not a failure."""
+    import subprocess
+
+    import fake_vs_real  # tools/
+
+    compared, not_compared = fake_vs_real.stack_pairs("llama3b", ["tiny-llama"])
+    assert ("tiny-llama", "gc + lora") in compared and ("tiny-llama", "dora") in compared
+    assert not_compared["tiny-llama", "fsdp"] == fake_vs_real.ENGINES
+    assert "needs CUDA" in not_compared["tiny-llama", "liger"] and "needs CUDA" in not_compared[
+        "tiny-llama", "expandable_segments"]
+    out = tmp_path / "stacks.md"
+    tool = [sys.executable, str(REPO / "tools" / "fake_vs_real.py")]
+    done = subprocess.run([*tool, "--stacks", "smoke-ranks", "--models", "tiny-llama", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    kept = json.loads(out.with_suffix(".json").read_text())
+    assert [(p["stack"], p["status"]) for p in kept["pairs"]] == [("baseline", "equal"), ("padding", "equal"),
+                                                                  ("packing", "equal")]
+    assert {stack for _, stack, _ in kept["not_compared"]} == {"fsdp", "fsdp(precision=mixed)", "gc + fsdp", "zero2",
+                                                                "zero3"}
+    assert "3 pairs: 3 equal, 0 differ, 0 failed." in out.read_text() and "Not compared here:" in out.read_text()
+    again = tmp_path / "again.md"
+    assert subprocess.run([*tool, "--render", str(out.with_suffix(".json")), "--out", str(again)]).returncode == 0
+    assert again.read_text() == out.read_text()
+    one = subprocess.run([*tool, "--one", "tiny-olmoe", "--stack", "dora"], capture_output=True, text=True)
+    assert "use_dora" in json.loads(one.stdout.splitlines()[-1])["no_real_step"]
+    for bad in (["--stacks", "no-such-matrix"], ["--stacks", "smoke", "--models", "tiny-nothing"], []):
+        refused = subprocess.run([*tool, *bad], capture_output=True, text=True)
+        assert refused.returncode == 2 and "fake_vs_real:" in refused.stderr, bad
+
+
+def test_the_stacks_fake_vs_real_gate_is_of_every_coverage_stack_under_the_baselines_releases() -> None:
+    """make predict-gate compares each stack's fake run with its real CPU step against a committed comparison made
+    under PREDICT_BASELINE_VERSIONS, of every stack of the coverage matrix on the Makefile's models."""
+    import re
+
+    from bench import spec
+
+    makefile = (REPO / "Makefile").read_text()
+    release_set = re.search(r"^PREDICT_BASELINE_VERSIONS \?= (\S+)$", makefile, re.M)
+    chosen = re.search(r"^PREDICT_STACKS_MODELS \?= (\S+)$", makefile, re.M)
+    assert release_set and chosen and "--stacks coverage --models $(PREDICT_STACKS_MODELS)" in makefile
+    kept = json.loads((REPO / "results" / "coverage" / f"{release_set[1]}-fake-vs-real.json").read_text())
+    pins = dict(line.split("==") for line in (REPO / "versions" / f"{release_set[1]}.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert kept["versions"].startswith(f"torch {pins['torch']}") and kept["models"] == chosen[1].split(",")
+    stacks = [s.label for s in spec.get(REPO / "matrix.yaml", "coverage").stacks]
+    judged = {(p["model_type"], p["stack"]) for p in kept["pairs"]} | {(m, s) for m, s, _ in kept["not_compared"]}
+    assert judged == {(m, s) for m in kept["models"] for s in stacks}

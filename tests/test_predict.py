@@ -107,7 +107,7 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
                                           "padding", "packing", "eager_attention", "adamw(impl=foreach)", "qlora",
                                           "gc + qlora", "galore(rank=8)", "apollo(rank=8)",
                                           "apollo(rank=1, scale_type=tensor)", "adafactor",
-                                          "adafactor(impl=forloop)"]),
+                                          "adafactor(impl=forloop)", "torchao_adamw(state=int4)"]),
     *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora",
                                           "mixed"]),
 ])
@@ -116,7 +116,9 @@ def test_the_fake_run_counts_what_a_real_run_counts(model: str, stack: str) -> N
     (the real run's model is built on the CPU under the counter), the same roles at the peak. A mixture of
     experts too (tiny OLMoE: transformers' fused experts routed top-k, peft adapting each expert under
     all-linear): its routing's data-dependent indices run on fake tensors as on real ones; under `mixed` its fp32
-    experts' grouped matmuls, which torch 2.11-2.14's meta kernel refused (bench/predict/grouped_mm.py)."""
+    experts' grouped matmuls, which torch 2.11-2.14's meta kernel refused (bench/predict/grouped_mm.py). torchao's
+    low-bit states made on fake tensors as on real ones (its compiled step replaced on both sides by what it
+    allocates: bench/predict/torchao_optim.py)."""
     cell = make_cell(SMOKE, "cpu", model, 64, 2, parse_stack(stack))
     fake_counter, fake_built, fake_state = fake.counted_run(cell, Workspaces())
     real_counter, real_built, real_state = fake.counted_run(cell, Workspaces(), fake=False)

@@ -1,6 +1,7 @@
-"""Does the fake run count what a real run counts, on every architecture `bench predict` predicts?
+"""Does the fake run count what a real run counts, on every architecture and every stack `bench predict` predicts?
 
     python tools/fake_vs_real.py results/model-types/latest-2026-11-25.json [--only llama,qwen3] [--jobs 2] [--out FILE]
+    python tools/fake_vs_real.py --stacks coverage --models tiny-llama,tiny-olmoe [--jobs 2] [--out FILE]
 
 `tools/model_types.py` says which architectures a prediction runs on; this says whether what it counts there is
 right. For each (model type, stack) that sweep predicted (status ok), the shrunk config's cell on the CPU (seq 64,
@@ -13,6 +14,18 @@ the real ones on that architecture, and each of its predictions carries the diff
 its own (a timeout, a crash cost that type's pairs alone). Exit 1 if a pair differs or fails (with `--baseline`, an
 earlier --out's JSON: only if a pair equal there no longer is), 2 on bad arguments.
 
+`--stacks MATRIX` asks the same of techniques: each stack of the matrix on each `--models` (the registry's tiny models),
+the same cell, each pair in a process of its own (a Triton kernel that finds no GPU breaks the process it ran in).
+Stacks whose real step cannot run on this CPU are listed with the reason, not compared: a technique that needs CUDA
+(Liger's Triton kernels, the allocator's settings, ZeRO's offload), and the engines, which several ranks' fake process
+group is compared with real gloo ranks for (tests/test_predict.py) and ZeRO's hybrid with DeepSpeed's engine
+(tools/hybrid_check.py). A pair whose real step fails here (peft refusing DoRA on OLMoE's fused experts, say) is
+`no real step`: nothing to compare with, not failed; `failed` is a fake run that fails where the real step runs, the
+predictor's fault. Each fake run runs within what a prediction runs within (bench/predict/fake.py `predicting`: Liger's
+and cut cross-entropy's kernels launching nothing, their value-dependent helpers replaced); the real step as the
+tests run it (torchao's compiled optimizer step replaced on both sides by what it allocates). Under torch 2.13 /
+transformers 5.24, the coverage matrix's 60 stacks on the four tiny models take 16 minutes on 2 cores with --jobs 2.
+
 The comparison is of the fake-tensor path alone: what a GPU adds (cuBLAS workspaces, attention kernels' scratch, the
 caching allocator) is checked against GPU rows (results/PREDICTION.md), not here.
 """
@@ -20,12 +33,13 @@ caching allocator) is checked against GPU rows (results/PREDICTION.md), not here
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +48,17 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import model_types  # noqa: E402  (tools/: the architectures' shrunk configs)
 
+ENGINES = ("an engine: its fake process group is compared with real gloo ranks in tests/test_predict.py, ZeRO's "
+           "hybrid with DeepSpeed's engine by tools/hybrid_check.py")
 TIMEOUT_S = 600  # one pair: two counted runs of a two-layer model, seconds to a minute on 2 cores
 SEQ, BATCH = 64, 2  # the cell tests/test_predict.py compares for the registry's tiny models
 
 
 @dataclass(frozen=True)
 class Pair:
-    model_type: str
+    model_type: str  # with --stacks: the registry's model
     stack: str
-    status: str  # equal | differs | failed
+    status: str  # equal | differs | failed (the fake run, where the real step runs) | no real step (here)
     fake_phases: dict[str, int] | None = None  # stage/phase -> peak bytes alive, the build's aside
     real_phases: dict[str, int] | None = None
     fake_state_gib: float | None = None  # optimizer state
@@ -58,27 +74,48 @@ class Pair:
         return max(differing, key=lambda d: abs(d[1] - d[2]), default=None)
 
 
-def counted(config_path: Path, stack: str) -> dict[str, Any]:
-    """The cell's phase peaks and optimizer state, on fake and on real tensors (run in `compare`'s process)."""
-    from bench import models, spec
-    from bench.cells import make_cell
+def counted(model: str, stack: str) -> dict[str, Any]:
+    """The cell's phase peaks and optimizer state, on fake and on real tensors (run in `compare`'s process).
+    `model`: a config.json's path, or a registry model's name. {"no_real_step": ...} where the real step fails
+    (nothing to compare with), else {"error": ...} where the fake run does: the predictor's fault."""
+    from bench import models
     from bench.predict import fake
     from bench.predict.counter import Workspaces
-    from bench.stacks import parse_stack
 
-    name = models.register_file(config_path)
-    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", name, SEQ, BATCH, parse_stack(stack))
+    name = models.register_file(Path(model)) if model.endswith(".json") else model
+    cell = _cell(name, stack)
     found: dict[str, Any] = {}
     for side, is_fake in (("fake", True), ("real", False)):
-        counter, _, state_gib = fake.counted_run(cell, Workspaces(), fake=is_fake)
+        try:  # the fake run within what a prediction runs within (its kernels launching nothing, say)
+            with fake.predicting(cell) if is_fake else contextlib.nullcontext():
+                counter, _, state_gib = fake.counted_run(cell, Workspaces(), fake=is_fake)
+        except Exception as err:  # this stack's; the process's other stacks still run
+            found[f"{side}_error"] = _said_briefly(err)
+            continue
         found[f"{side}_phases"] = {k: v for k, v in counter.phase_peaks.items() if k != "build"}
         found[f"{side}_state_gib"] = state_gib
-    return found
+    if "real_error" in found:  # nothing to compare with: the step fails here whatever the fake run did
+        return {"no_real_step": found["real_error"]}
+    return {"error": found["fake_error"]} if "fake_error" in found else found
 
 
-def compare(config_path: Path, model_type: str, stacks: list[str]) -> list[Pair]:
-    """One model type's pairs, in a process of its own (its imports and its config's checks paid once)."""
-    command = [sys.executable, __file__, "--one", str(config_path), *(f"--stack={s}" for s in stacks)]
+def _said_briefly(err: Exception) -> str:
+    """An exception on one line of at most 300 characters (a table's cell)."""
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
+
+
+def _cell(model: str, stack: str) -> Any:
+    """The compared cell: `model` under `stack` on the CPU, seq SEQ, batch BATCH, the smoke matrix's steps."""
+    from bench import spec
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+
+    return make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", model, SEQ, BATCH, parse_stack(stack))
+
+
+def compare(model: str, model_type: str, stacks: list[str]) -> list[Pair]:
+    """One model's pairs, in a process of its own (its imports and its config's checks paid once)."""
+    command = [sys.executable, __file__, "--one", model, *(f"--stack={s}" for s in stacks)]
     try:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * len(stacks))
     except subprocess.TimeoutExpired:
@@ -93,6 +130,8 @@ def compare(config_path: Path, model_type: str, stacks: list[str]) -> list[Pair]
 def _pair(model_type: str, stack: str, found: dict[str, Any]) -> Pair:
     if "error" in found:
         return Pair(model_type, stack, "failed", why=found["error"])
+    if "no_real_step" in found:
+        return Pair(model_type, stack, "no real step", why=found["no_real_step"])
     same = found["fake_phases"] == found["real_phases"] and found["fake_state_gib"] == found["real_state_gib"]
     return Pair(model_type, stack, "equal" if same else "differs", **found)
 
@@ -111,31 +150,72 @@ def compare_all(pairs: list[tuple[str, str]], jobs: int) -> list[Pair]:
     with tempfile.TemporaryDirectory() as tmp:
         paths = model_types.shrunk_configs(Path(tmp), list(stacks))
         with ThreadPoolExecutor(jobs) as pool:
-            found = [p for ps in pool.map(lambda t: compare(paths[t], t, stacks[t]), stacks) for p in ps]
+            found = [p for ps in pool.map(lambda t: compare(str(paths[t]), t, stacks[t]), stacks) for p in ps]
     return [_said(p) for p in found]
 
 
-def markdown(found: list[Pair], sweep_name: str, versions: str) -> str:
-    counts = {s: sum(p.status == s for p in found) for s in ("equal", "differs", "failed")}
-    lines = [f"# The fake run against real CPU tensors, architecture by architecture ({versions})", "",
-             f"Each (model type, stack) that `{sweep_name}` predicted, its shrunk config's cell on the CPU (seq {SEQ}, "
-             f"batch {BATCH}) counted twice by the predictor's memory counter: on fake tensors, as a prediction runs, "
-             "and on real CPU tensors (`tools/fake_vs_real.py`). Equal: every phase's peak bytes (the build's aside) "
-             "and the optimizer state are the same to the byte. CPU runs, not GPU measurements: what a GPU adds "
-             "(workspaces, kernels' scratch, the allocator) is checked against GPU rows, in PREDICTION.md. "
-             "Generated; never edited by hand.", "",
-             f"{len(found)} pairs: {counts['equal']} equal, {counts['differs']} differ, {counts['failed']} failed."]
+def stack_pairs(matrix_name: str, models: list[str]) -> tuple[list[tuple[str, str]], dict[tuple[str, str], str]]:
+    """The matrix's stacks on each model: the (model, stack) pairs to compare, and the others with why not."""
+    from bench import cells, spec
+    from bench.envinfo import host_caps
+
+    matrix = spec.get(REPO / "matrix.yaml", matrix_name)
+    host = replace(host_caps(), cuda_devices=0)  # the real step runs on this CPU
+    smoke = spec.get(REPO / "matrix.yaml", "smoke")
+    compared, not_compared = [], {}
+    for model in models:
+        for stack in matrix.stacks:
+            engine = next((u.label for u in stack.uses if u.technique.slot == "engine"), None)
+            why = ENGINES if engine else cells.skip_reason(_cell(model, stack.label), smoke, host)
+            if why:
+                not_compared[model, stack.label] = why
+            else:
+                compared.append((model, stack.label))
+    return compared, not_compared
+
+
+def compare_stacks(pairs: list[tuple[str, str]], jobs: int) -> list[Pair]:
+    """Every (registry model, stack) pair, each in a process of its own, `jobs` at a time; in the order given."""
+    with ThreadPoolExecutor(jobs) as pool:
+        return [_said(p) for ps in pool.map(lambda pair: compare(pair[0], pair[0], [pair[1]]), pairs) for p in ps]
+
+
+def markdown(found: list[Pair], about: dict[str, Any]) -> str:
+    """The table of a comparison; `about` is its JSON's other keys: versions, and the sweep's name (architectures) or
+    the matrix's and the stacks not compared (--stacks)."""
+    statuses = ("equal", "differs", "failed", "no real step")
+    counts = {s: sum(p.status == s for p in found) for s in statuses}
+    if "matrix" in about:
+        title, what = "stack by stack", (f"Each stack of the `{about['matrix']}` matrix on each of "
+                                         f"{', '.join(about['models'])}: the cell")
+    else:
+        title, what = "architecture by architecture", (f"Each (model type, stack) that `{about['sweep']}` predicted, "
+                                                       "its shrunk config's cell")
+    lines = [f"# The fake run against real CPU tensors, {title} ({about['versions']})", "",
+             f"{what} on the CPU (seq {SEQ}, batch {BATCH}) counted twice by the predictor's memory counter: on fake "
+             "tensors, as a prediction runs, and on real CPU tensors (`tools/fake_vs_real.py`). Equal: every phase's "
+             "peak bytes (the build's aside) and the optimizer state are the same to the byte. CPU runs, not GPU "
+             "measurements: what a GPU adds (workspaces, kernels' scratch, the allocator) is checked against GPU rows, "
+             "in PREDICTION.md. Generated; never edited by hand.", "",
+             f"{len(found)} pairs: " + ", ".join(f"{counts[s]} {s.replace('differs', 'differ')}" for s in statuses
+                                                 if counts[s] or s != "no real step") + "."]
     unequal = [p for p in found if p.status != "equal"]
     if unequal:
-        lines += ["", "| model type | stack | result |", "|---|---|---|"]
+        lines += ["", f"| {'model' if 'matrix' in about else 'model type'} | stack | result |", "|---|---|---|"]
         lines += [f"| {p.model_type} | `{p.stack}` | {_result(p)} |" for p in unequal]
     lines += ["", "Equal: " + ", ".join(f"{p.model_type} (`{p.stack}`)" for p in found if p.status == "equal") + "."]
+    reasons: dict[str, list[str]] = {}
+    for model, stack, why in about.get("not_compared", []):
+        reasons.setdefault(why, []).append(f"{model} (`{stack}`)")
+    if reasons:
+        lines += ["", "Not compared here:", ""]
+        lines += [f"- {why.replace('|', '/')}: {', '.join(pairs)}" for why, pairs in reasons.items()]
     return "\n".join(lines) + "\n"
 
 
 def _result(p: Pair) -> str:
-    if p.status == "failed":
-        return f"**failed**: {p.why.replace('|', '/')}"
+    if p.status in ("failed", "no real step"):
+        return f"**{p.status}**: {p.why.replace('|', '/')}"
     worst = p.worst
     if worst is None:
         return f"**differs**: optimizer state {p.fake_state_gib:.6f} GiB fake, {p.real_state_gib:.6f} GiB real"
@@ -148,35 +228,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path, nargs="?", help="a model-types sweep's JSON (tools/model_types.py --out)")
     parser.add_argument("--only", help="model types, comma-separated (default: every one the sweep predicted)")
+    parser.add_argument("--stacks", metavar="MATRIX", help="instead of a sweep: each stack of this matrix (matrix.yaml) "
+                        "on each of --models")
+    parser.add_argument("--models", default="tiny-llama", help="with --stacks: registry models, comma-separated "
+                        "(default tiny-llama)")
     parser.add_argument("--jobs", type=int, default=1, help="pairs side by side (default 1)")
     parser.add_argument("--out", type=Path, help="the markdown table, and beside it the pairs as JSON")
     parser.add_argument("--baseline", type=Path, help="an earlier --out's JSON: exit 1 only if a pair equal there "
                         "no longer is")
     parser.add_argument("--render", type=Path, help="an earlier --out's JSON: its table written again (to --out, else "
                         "beside it), nothing run")
-    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # compare's process: one config
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # compare's process: a config's path or a registry name
     parser.add_argument("--stack", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         for stack in args.stack:
             try:
                 counts = counted(args.one, stack)
-            except Exception as err:  # this stack's; the type's other stacks still run
-                counts = {"error": f"{type(err).__name__}: {err}"[:200]}
+            except Exception as err:  # this stack's (its cell's); the process's other stacks still run
+                counts = {"error": _said_briefly(err)}
             print(json.dumps(counts), flush=True)
         return 0
     if args.render:
         kept = json.loads(args.render.read_text())
-        text = markdown([Pair(**p) for p in kept["pairs"]], kept["sweep"], kept["versions"])
+        text = markdown([Pair(**p) for p in kept.pop("pairs")], kept)
         (args.out or args.render.with_suffix(".md")).write_text(text)
         return 0
-    if args.sweep is None or not args.sweep.is_file() or args.jobs < 1 or (args.baseline and not args.baseline.is_file()):
-        print("fake_vs_real: give a model-types sweep's JSON that exists (and a --baseline that does), and --jobs 1 or "
-              "more", file=sys.stderr)
+    problem = _bad_arguments(args)
+    if problem:
+        print(f"fake_vs_real: {problem}", file=sys.stderr)
         return 2
-    sweep = json.loads(args.sweep.read_text())
-    found = compare_all(predicted_pairs(sweep, set(args.only.split(",")) if args.only else None), args.jobs)
-    text = markdown(found, args.sweep.name, model_types.versions())
+    found, about = _stacks(args) if args.stacks else _architectures(args)
+    text = markdown(found, about)
     was_equal = None
     if args.baseline:
         kept = json.loads(args.baseline.read_text())["pairs"]
@@ -188,16 +271,63 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"versions": model_types.versions(), "sweep": args.sweep.name,
-                                                             "pairs": [asdict(p) for p in found]}, indent=1) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps({**about, "pairs": [asdict(p) for p in found]}, indent=1)
+                                                 + "\n")
     else:
         print(text, end="")
-    judged = [p for p in found if was_equal is None or (p.model_type, p.stack) in was_equal]
-    return 0 if all(p.status == "equal" for p in judged) else 1
+    if was_equal is not None:  # judged against the baseline: a pair equal there that no longer is
+        return 1 if any((p.model_type, p.stack) in was_equal and p.status != "equal" for p in found) else 0
+    return 1 if any(p.status in ("differs", "failed") for p in found) else 0
+
+
+def _bad_arguments(args: argparse.Namespace) -> str:
+    """What is wrong with the arguments of a comparison to run, or ""."""
+    if (args.sweep is None) == (args.stacks is None):
+        return "give a model-types sweep's JSON, or --stacks MATRIX (not both)"
+    if args.sweep is not None and not args.sweep.is_file():
+        return f"no sweep {args.sweep}"
+    if args.baseline and not args.baseline.is_file():
+        return f"no --baseline {args.baseline}"
+    if args.jobs < 1:
+        return "--jobs: 1 or more"
+    if args.stacks:
+        from bench import models, spec
+
+        try:
+            spec.get(REPO / "matrix.yaml", args.stacks)
+        except spec.SpecError as err:
+            return str(err)
+        unknown = [m for m in args.models.split(",") if m not in models.registry()]
+        if unknown:
+            return f"--models: not in the registry: {', '.join(unknown)}"
+    return ""
+
+
+def _architectures(args: argparse.Namespace) -> tuple[list[Pair], dict[str, Any]]:
+    sweep = json.loads(args.sweep.read_text())
+    found = compare_all(predicted_pairs(sweep, set(args.only.split(",")) if args.only else None), args.jobs)
+    return found, {"versions": model_types.versions(), "sweep": args.sweep.name}
+
+
+def _stacks(args: argparse.Namespace) -> tuple[list[Pair], dict[str, Any]]:
+    chosen = args.models.split(",")
+    pairs, not_compared = stack_pairs(args.stacks, chosen)
+    found = compare_stacks(pairs, args.jobs)
+    return found, {"versions": stack_versions(), "matrix": args.stacks, "models": chosen,
+                   "not_compared": [[model, stack, why] for (model, stack), why in not_compared.items()]}
+
+
+def stack_versions() -> str:
+    """The releases the stacks' techniques come from, beside torch's and transformers'."""
+    from bench.envinfo import versions
+
+    found = versions()
+    named = [f"{name} {found[name]}" for name in ("peft", "bitsandbytes", "torchao") if found.get(name)]
+    return ", ".join([model_types.versions(), *named])
 
 
 def _said(p: Pair) -> Pair:
-    print(f"{p.status:<8} {p.model_type:<28} {p.stack}  {_result(p) if p.status != 'equal' else ''}", file=sys.stderr,
+    print(f"{p.status:<12} {p.model_type:<28} {p.stack}  {_result(p) if p.status != 'equal' else ''}", file=sys.stderr,
           flush=True)
     return p
 

@@ -145,7 +145,7 @@ def predict_cell(cell: Cell, gpu: GpuKind) -> dict[str, Any]:
 
     start = time.perf_counter()
     try:
-        with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
+        with predicting(cell):
             found = hybrid.predict(cell, gpu) if hybrid.is_hybrid(cell) else fake_run(cell, gpu)
     except (DynamicOutputShapeException, DataDependentOutputException) as err:  # the model's, not a failure to fix
         return {"status": "unsupported", "unsupported_reason": data_dependent_reason(err)}
@@ -178,7 +178,7 @@ def trace_of(cell: Cell, gpu: GpuKind) -> tuple[list[tuple[str, int, int, int]],
     reason = unsupported_reason(cell)
     if reason:
         raise ValueError(f"{cell.cell_id}: not predicted ({reason})")
-    with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
+    with predicting(cell):
         if hybrid.is_hybrid(cell):
             return hybrid.trace_of(cell, gpu)
         counter, _, _ = counted_for(cell, gpu)
@@ -375,8 +375,10 @@ def counted_run(cell: Cell, workspaces: Workspaces, fake: bool = True,
     counter = MemoryCounter(workspaces, kernel_scratch)
     if not fake:
         with bnb.fresh_map_cache(), bnb.paged_state_apart(counter), fsdp_offload.predicting(cell, counter), \
-                lowrank.predicting(cell.stack.names), compiled.predicting(cell.stack, fake=False), \
-                autocast.as_cuda_casts(), counter:  # the branches the fake run takes, to compare like with like
+                lowrank.predicting(cell.stack.names), torchao_optim.predicting(cell.stack.names), \
+                compiled.predicting(cell.stack, fake=False), autocast.as_cuda_casts(), counter:
+            # the branches the fake run takes, to compare like with like (torchao's compiled step replaced by what it
+            # allocates: compiled, it would not run under the counter's dispatch mode)
             built = trainer.build_model(cell, device="cpu")
             for tensor in (*built.model.parameters(), *built.model.buffers()):
                 if tensor.is_meta:  # deferred (FSDP2): made when the engine has sharded them
@@ -556,6 +558,14 @@ def _counted_batch(batch: data.Batch, convert: Callable[[Any], Any], counter: Me
         return copy
 
     return data.Batch(fake(batch.input_ids), fake(batch.labels), fake(batch.attention_mask), fake(batch.position_ids))
+
+
+@contextlib.contextmanager
+def predicting(cell: Cell) -> Iterator[None]:
+    """What a prediction of `cell` runs within, around its counted run: the cell's environment, a fake process
+    group for FSDP2 and DDP, Liger's and cut cross-entropy's kernels launching nothing."""
+    with _cell_env(cell), _fake_process_group(cell), _liger(cell), _cce(cell):
+        yield
 
 
 @contextlib.contextmanager
