@@ -206,7 +206,8 @@ def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path
     assert again.read_text() == out.read_text()
     one = subprocess.run([*tool, "--one", "tiny-olmoe", "--stack", "dora"], capture_output=True, text=True)
     assert "use_dora" in json.loads(one.stdout.splitlines()[-1])["no_real_step"]
-    for bad in (["--stacks", "no-such-matrix"], ["--stacks", "smoke", "--models", "tiny-nothing"], []):
+    for bad in (["--stacks", "no-such-matrix"], ["--stacks", "smoke", "--models", "tiny-nothing"], [],
+                ["--stacks", "smoke", "--only", "llama"]):
         refused = subprocess.run([*tool, *bad], capture_output=True, text=True)
         assert refused.returncode == 2 and "fake_vs_real:" in refused.stderr, bad
 

@@ -17,7 +17,7 @@ earlier --out's JSON: only if a pair equal there no longer is), 2 on bad argumen
 `--stacks MATRIX` asks the same of techniques: each stack of the matrix on each `--models` (the registry's tiny models),
 the same cell, each pair in a process of its own (a Triton kernel that finds no GPU breaks the process it ran in).
 Stacks whose real step cannot run on this CPU are listed with the reason, not compared: a technique that needs CUDA
-(Liger's Triton kernels, the allocator's settings, ZeRO's offload), and the engines, which several ranks' fake process
+(Liger's Triton kernels, the allocator's settings, paged AdamW), and the engines, which several ranks' fake process
 group is compared with real gloo ranks for (tests/test_predict.py) and ZeRO's hybrid with DeepSpeed's engine
 (tools/hybrid_check.py). A pair whose real step fails here (peft refusing DoRA on OLMoE's fused experts, say) is
 `no real step`: nothing to compare with, not failed; `failed` is a fake run that fails where the real step runs, the
@@ -74,7 +74,7 @@ class Pair:
         return max(differing, key=lambda d: abs(d[1] - d[2]), default=None)
 
 
-def counted(model: str, stack: str) -> dict[str, Any]:
+def counted(model: str | Path, stack: str) -> dict[str, Any]:
     """The cell's phase peaks and optimizer state, on fake and on real tensors (run in `compare`'s process).
     `model`: a config.json's path, or a registry model's name. {"no_real_step": ...} where the real step fails
     (nothing to compare with), else {"error": ...} where the fake run does: the predictor's fault."""
@@ -82,7 +82,7 @@ def counted(model: str, stack: str) -> dict[str, Any]:
     from bench.predict import fake
     from bench.predict.counter import Workspaces
 
-    name = models.register_file(Path(model)) if model.endswith(".json") else model
+    name = models.register_file(Path(model)) if str(model).endswith(".json") else str(model)
     cell = _cell(name, stack)
     found: dict[str, Any] = {}
     for side, is_fake in (("fake", True), ("real", False)):
@@ -165,7 +165,7 @@ def stack_pairs(matrix_name: str, models: list[str]) -> tuple[list[tuple[str, st
     compared, not_compared = [], {}
     for model in models:
         for stack in matrix.stacks:
-            engine = next((u.label for u in stack.uses if u.technique.slot == "engine"), None)
+            engine = any(u.technique.slot == "engine" for u in stack.uses)
             why = ENGINES if engine else cells.skip_reason(_cell(model, stack.label), smoke, host)
             if why:
                 not_compared[model, stack.label] = why
@@ -290,6 +290,8 @@ def _bad_arguments(args: argparse.Namespace) -> str:
         return f"no --baseline {args.baseline}"
     if args.jobs < 1:
         return "--jobs: 1 or more"
+    if args.stacks and args.only:
+        return "--only chooses a sweep's model types; with --stacks, --models chooses"
     if args.stacks:
         from bench import models, spec
 
