@@ -204,6 +204,12 @@ def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path
     again = tmp_path / "again.md"
     assert subprocess.run([*tool, "--render", str(out.with_suffix(".json")), "--out", str(again)]).returncode == 0
     assert again.read_text() == out.read_text()
+    earlier = tmp_path / "earlier.json"  # a pair equal there that did not run here is named, not judged
+    earlier.write_text(json.dumps({"pairs": [{"model_type": "tiny-llama", "stack": "unsloth", "status": "equal"}]}))
+    assert subprocess.run([*tool, "--render", str(out.with_suffix(".json")), "--baseline", str(earlier), "--out",
+                           str(again)]).returncode == 0
+    assert "still is. 1 pairs equal there did not run here (not compared, or not asked): tiny-llama (`unsloth`)" in \
+        again.read_text()
     one = subprocess.run([*tool, "--one", "tiny-olmoe", "--stack", "dora"], capture_output=True, text=True)
     assert "use_dora" in json.loads(one.stdout.splitlines()[-1])["no_real_step"]
     for bad in (["--stacks", "no-such-matrix"], ["--stacks", "smoke", "--models", "tiny-nothing"], [],

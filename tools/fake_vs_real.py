@@ -237,7 +237,7 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="an earlier --out's JSON: exit 1 only if a pair equal there "
                         "no longer is")
     parser.add_argument("--render", type=Path, help="an earlier --out's JSON: its table written again (to --out, else "
-                        "beside it), nothing run")
+                        "beside it; with --baseline, judged against it), nothing run")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # compare's process: a config's path or a registry name
     parser.add_argument("--stack", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -250,8 +250,12 @@ def main() -> int:
             print(json.dumps(counts), flush=True)
         return 0
     if args.render:
+        if not args.render.is_file() or (args.baseline and not args.baseline.is_file()):
+            print(f"fake_vs_real: no {args.render} (or --baseline {args.baseline})", file=sys.stderr)
+            return 2
         kept = json.loads(args.render.read_text())
-        text = markdown([Pair(**p) for p in kept.pop("pairs")], kept)
+        pairs = [Pair(**p) for p in kept.pop("pairs")]
+        text = markdown(pairs, kept) + (_against(args.baseline, pairs)[0] if args.baseline else "")
         (args.out or args.render.with_suffix(".md")).write_text(text)
         return 0
     problem = _bad_arguments(args)
@@ -262,12 +266,8 @@ def main() -> int:
     text = markdown(found, about)
     was_equal = None
     if args.baseline:
-        kept = json.loads(args.baseline.read_text())["pairs"]
-        was_equal = {(p["model_type"], p["stack"]) for p in kept if p["status"] == "equal"}
-        gone = [p for p in found if (p.model_type, p.stack) in was_equal and p.status != "equal"]
-        text += (f"\nAgainst {args.baseline.name}: " + (f"{len(gone)} pairs equal there no longer are:\n\n" +
-                 "\n".join(f"- {p.model_type} / `{p.stack}`: {_result(p)}" for p in gone) if gone else
-                 "every pair equal there still is.") + "\n")
+        verdict, was_equal = _against(args.baseline, found)
+        text += verdict
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
@@ -278,6 +278,21 @@ def main() -> int:
     if was_equal is not None:  # judged against the baseline: a pair equal there that no longer is
         return 1 if any((p.model_type, p.stack) in was_equal and p.status != "equal" for p in found) else 0
     return 1 if any(p.status in ("differs", "failed") for p in found) else 0
+
+
+def _against(baseline: Path, found: list[Pair]) -> tuple[str, set[tuple[str, str]]]:
+    """What an earlier comparison says of these pairs: its words for the table, and its equal pairs (those judged).
+    A pair equal there that did not run here (its package not installed, or not asked) is named, not judged."""
+    kept = json.loads(baseline.read_text())["pairs"]
+    was_equal = {(p["model_type"], p["stack"]) for p in kept if p["status"] == "equal"}
+    gone = [p for p in found if (p.model_type, p.stack) in was_equal and p.status != "equal"]
+    text = f"\nAgainst {baseline.name}: " + (f"{len(gone)} pairs equal there no longer are:\n\n" + "\n".join(
+        f"- {p.model_type} / `{p.stack}`: {_result(p)}" for p in gone) if gone else "every pair equal there still is.")
+    unrun = sorted(was_equal - {(p.model_type, p.stack) for p in found})
+    if unrun:
+        text += (f" {len(unrun)} pairs equal there did not run here (not compared, or not asked): " +
+                 ", ".join(f"{model} (`{stack}`)" for model, stack in unrun) + ".")
+    return text + "\n", was_equal
 
 
 def _bad_arguments(args: argparse.Namespace) -> str:
