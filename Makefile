@@ -132,6 +132,7 @@ versions-env:
 	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt torch
 	# every package a stack needs, as `make install` has them: without one, its cells are predicted `unsupported`
 	.venv-$(VERSIONS)/bin/python -m pip install -q -c versions/$(VERSIONS).txt -e ".[dev,bnb,liger,torchao,lowrank,cce]"
+	.venv-$(VERSIONS)/bin/python -m pip install -q --no-deps "unsloth==$(UNSLOTH)" "unsloth_zoo==$(UNSLOTH)" requests urllib3 certifi
 	DS_BUILD_OPS=0 .venv-$(VERSIONS)/bin/python -m pip install -q --no-build-isolation -c versions/$(VERSIONS).txt "deepspeed>=0.16"
 
 regress:

@@ -222,3 +222,24 @@ def test_liger_refuses_switching_off_an_mlp_kernel_the_family_does_not_have() ->
         "liger(swiglu=False)")
     assert reason("gemma-3-1b", "liger(geglu=false)") is None
     assert reason("tiny-llama", "liger(swiglu=false)") is None
+
+
+def test_adapters_peft_refuses_are_skipped_with_peft_s_reason() -> None:
+    """peft has no DoRA for a mixture of experts' fused 3-D experts (`all-linear` adapts them as parameters),
+    and refuses targets that match no module: asked of peft on a meta build when planned, so the cell is
+    skipped saying so rather than failed after a worker built the model. The same targets without DoRA, and
+    DoRA on the attention alone, are planned as usual."""
+    smoke = spec.get(REPO_MATRIX, "smoke")
+    host = HostCaps(cuda_devices=0, packages=frozenset({"peft", "bitsandbytes"}))
+
+    def reason(model: str, stack: str) -> str | None:
+        return cells.skip_reason(cells.make_cell(smoke, "cpu", model, 32, 1, stacks.parse_stack(stack)), smoke, host)
+
+    dora = reason("tiny-olmoe", "dora")
+    assert dora is not None and dora.startswith("dora: peft ") and "ParamWrapper does not work with use_dora=True" in dora
+    assert dora.endswith("targets=q_proj|k_proj|v_proj|o_proj adapts the attention alone")
+    assert reason("tiny-olmoe", "dora(targets=q_proj|k_proj|v_proj|o_proj)") is None
+    assert reason("tiny-olmoe", "lora") is None and reason("tiny-llama", "dora") is None
+    for stack in ("lora(targets=qproj)", "dora(targets=qproj)", "int8_lora(targets=qproj)"):
+        missing = reason("tiny-llama", stack)
+        assert missing is not None and "targets=qproj" in missing and "qproj" in missing.rsplit(":", 1)[-1], (stack, missing)

@@ -66,6 +66,7 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
         load=load,
         apply=apply,
         validate=lambda names, opts: lora.targets_problem(opts),
+        check_cell=lambda cell, opts: lora.peft_problem(cell.model, opts),
     )
 
 

@@ -46,4 +46,5 @@ TECHNIQUE = Technique(
     conflicts=("lora", "qlora", "int8_lora"),
     apply=_apply,
     validate=_validate,
+    check_cell=lambda cell, opts: lora.peft_problem(cell.model, opts, use_dora=True),
 )

@@ -13,17 +13,20 @@ matched against the whole module path, so `q_proj` alone would match nothing).
 On a mixture of experts, whose experts transformers 5 fuses into 3-D parameters per layer, peft 0.21's
 `all-linear` adapts every expert as well: Qwen3-30B-A3B at r=16 trains 0.997 B parameters, 0.981 B of them
 in the experts (counted on the meta device, transformers 5.24.0, peft 0.21.2), about 11 GiB of fp32
-gradients and AdamW moments; `targets=q_proj|k_proj|v_proj|o_proj` adapts the attention alone.
+gradients and AdamW moments; `targets=q_proj|k_proj|v_proj|o_proj` adapts the attention alone. peft has no DoRA for
+fused experts (`lora.ParamWrapper`): `dora` on such a model is refused when planned (`peft_problem`).
 """
 
 from __future__ import annotations
 
 import re
+from functools import cache
 from typing import Any
 
 from .base import Evidence, Options, Phase, Technique
 
 ALL_LINEAR = "all-linear"
+ATTENTION = "q_proj|k_proj|v_proj|o_proj"  # the attention's projections, named as most families name them
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
@@ -49,6 +52,38 @@ def targets_problem(opts: Options) -> str | None:
 
 def _validate(names: frozenset[str], opts: Options) -> str | None:
     return targets_problem(opts)
+
+
+def peft_problem(model_name: str, opts: Options, use_dora: bool = False) -> str | None:
+    """Why peft refuses these adapters on this model, or None: a target it finds no module for, or DoRA on a
+    mixture of experts' fused 3-D expert weights (peft 0.21 adapts those as parameters, `lora.ParamWrapper`,
+    which has no DoRA). Asked of peft itself, on the model built on the meta device (no weights: about a
+    second for a 3B model), so the refusal comes when the stack is planned, not after a worker built the model."""
+    return _peft_refusal(model_name, opts["targets"], use_dora)
+
+
+@cache
+def _peft_refusal(model_name: str, targets: str, use_dora: bool) -> str | None:
+    import warnings
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .. import models
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(models.hf_config(models.get(model_name), "eager"))
+    config = peft.LoraConfig(r=1, target_modules=target_modules(targets), task_type="CAUSAL_LM", use_dora=use_dora)
+    try:
+        with warnings.catch_warnings():  # what peft warns of here, the worker's build warns of again
+            warnings.simplefilter("ignore")
+            peft.get_peft_model(model, config)
+    except ValueError as err:  # peft's refusals; anything else only a real build can judge
+        hint = f"; targets={ATTENTION} adapts the attention alone" if "ParamWrapper" in str(err) else ""
+        adapters = "DoRA" if use_dora else "LoRA"
+        return f"peft {peft.__version__} refuses {adapters} with targets={targets}: {str(err).rstrip('.')}{hint}"
+    return None
 
 
 def adapt(model: Any, opts: Options, use_dora: bool = False) -> tuple[Any, Evidence]:
@@ -82,4 +117,5 @@ TECHNIQUE = Technique(
     preload=("peft",),
     apply=_apply,
     validate=_validate,
+    check_cell=lambda cell, opts: peft_problem(cell.model, opts),
 )
