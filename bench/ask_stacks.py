@@ -130,9 +130,11 @@ def text(found: Stacks) -> str:
         return "  ".join(cells.get(key, "").ljust(widths[key]) if key in LEFT else cells.get(key, "").rjust(widths[key])
                          for _, key in COLUMNS).rstrip()
 
+    # the releases of a stack that ran (a skipped one, planned only, records none)
+    ran = next((a.predicted for a in found.answers if a.predicted.get("torch_version")), first.predicted)
     lines = [f"{c.model}, seq {c.seq_len}, batch {c.batch_size}, {ask.ranks(c.gpus)}: {card.name}{capacity}",
              f"{len(rows)} stacks predicted on this CPU (fake runs, not measurements), under "
-             f"{ask.software(first.predicted)}", "", line({key: title for title, key in COLUMNS}), *map(line, rows), ""]
+             f"{ask.software(ran)}", "", line({key: title for title, key in COLUMNS}), *map(line, rows), ""]
     lines += [f"{a.cell.stack.label}: {ask.not_predicted(a.predicted)}" for a in found.answers
               if a.predicted.get("status") != "ok"]
     records = records_of(found)

@@ -472,6 +472,18 @@ def test_several_stacks_are_one_table_in_the_order_asked(tmp_path: Path, capsys:
     assert _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", *stacks, "--gpu-memory-gib", "0.7")[0] == 1
 
 
+def test_several_stacks_name_the_releases_of_a_stack_that_ran_when_the_first_was_skipped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DoRA on a mixture of experts' fused experts is refused by peft when planned (skipped, nothing ran): the
+    header names the releases the next stack's fake run ran under, not "torch ?"."""
+    import torch
+
+    code, out = _ask(tmp_path, capsys, "tiny-olmoe", "--seq", "64", "--stack", "dora", "--stack", "lora")
+    assert code == 0, out
+    assert f"under torch {torch.__version__.split('+')[0]}, transformers " in out.splitlines()[1], out
+    assert "dora: not predicted (skipped): dora: peft " in out and "use_dora=True" in out
+
+
 def test_several_stacks_side_by_side_give_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--jobs 2: the fake runs in two spawned processes, each registering the config.json asked about (they do not
     share this process's registry); the table is the one a single process makes, rows in the order asked."""
