@@ -179,8 +179,9 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
 @pytest.mark.slow
 def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path: Path) -> None:
     """tools/fake_vs_real.py --stacks: each stack of a matrix on each registry model, counted on fake and on real CPU
-    tensors; an engine's stacks and those needing CUDA are named with the reason and not run; a stack whose real step
-    fails here (peft refusing DoRA on OLMoE's fused experts) is `no real step`, not a failure."""
+    tensors; an engine's stacks, those needing CUDA and adapters peft refuses (DoRA on OLMoE's fused experts) are
+    named with the reason and not run; a stack whose real step fails here nonetheless (that DoRA, asked by `--one`,
+    which does not plan) is `no real step`, not a failure."""
     import subprocess
 
     import fake_vs_real  # tools/
@@ -190,6 +191,7 @@ def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path
     assert not_compared["tiny-llama", "fsdp"] == fake_vs_real.ENGINES
     assert "needs CUDA" in not_compared["tiny-llama", "liger"] and "needs CUDA" in not_compared[
         "tiny-llama", "expandable_segments"]
+    assert "use_dora=True" in fake_vs_real.stack_pairs("llama3b", ["tiny-olmoe"])[1]["tiny-olmoe", "dora"]
     out = tmp_path / "stacks.md"
     tool = [sys.executable, str(REPO / "tools" / "fake_vs_real.py")]
     done = subprocess.run([*tool, "--stacks", "smoke-ranks", "--models", "tiny-llama", "--out", str(out)],

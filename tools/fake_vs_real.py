@@ -17,10 +17,10 @@ earlier --out's JSON: only if a pair equal there no longer is), 2 on bad argumen
 `--stacks MATRIX` asks the same of techniques: each stack of the matrix on each `--models` (the registry's tiny models),
 the same cell, each pair in a process of its own (a Triton kernel that finds no GPU breaks the process it ran in).
 Stacks whose real step cannot run on this CPU are listed with the reason, not compared: a technique that needs CUDA
-(Liger's Triton kernels, the allocator's settings, paged AdamW), and the engines, which several ranks' fake process
-group is compared with real gloo ranks for (tests/test_predict.py) and ZeRO's hybrid with DeepSpeed's engine
-(tools/hybrid_check.py). A pair whose real step fails here (peft refusing DoRA on OLMoE's fused experts, say) is
-`no real step`: nothing to compare with, not failed; `failed` is a fake run that fails where the real step runs, the
+(Liger's Triton kernels, the allocator's settings, paged AdamW), adapters peft refuses when the cell is planned (DoRA
+on OLMoE's fused experts), and the engines, which several ranks' fake process group is compared with real gloo ranks
+for (tests/test_predict.py) and ZeRO's hybrid with DeepSpeed's engine (tools/hybrid_check.py). A pair whose real
+step fails here nonetheless (`--one tiny-olmoe --stack dora` skips the planning) is `no real step`: nothing to compare with, not failed; `failed` is a fake run that fails where the real step runs, the
 predictor's fault. Each fake run runs within what a prediction runs within (bench/predict/fake.py `predicting`: Liger's
 and cut cross-entropy's kernels launching nothing, their value-dependent helpers replaced); the real step as the
 tests run it (torchao's compiled optimizer step replaced on both sides by what it allocates). Under torch 2.13 /
