@@ -118,7 +118,7 @@ _ARCHITECTURES = {
     # multi-head latent attention (as many key heads as query heads; its head_dim the rope's) and routed experts
     "deepseek_v3": ("mixed", {"head_dim": 32, "num_key_value_heads": 4}),  # fp32 experts: CUDA's grouped-mm fallback
     "qwen3_next": ("gc + lora", {}),  # gated DeltaNet linear attention beside full attention layers, experts
-    "falcon_h1": ("gc", {}),  # Mamba-2 mixers beside attention (LoRA: peft refuses the Mamba projections it targets)
+    "falcon_h1": ("gc", {}),  # Mamba-2 mixers beside attention (LoRA: peft refuses the Mamba projections, below)
     "gpt_oss": ("eager_attention + lora", {}),  # attention sinks: no sdpa in transformers, so eager
     "gemma3_text": ("gc", {}),  # sliding-window layers beside global ones
 }
@@ -164,6 +164,24 @@ def test_a_model_transformers_cannot_checkpoint_is_skipped_with_gc_saying_why(
         assert row["skip_reason"].endswith("CTRLLMHeadModel does not support activation checkpointing in transformers "
                                            f"{__import__('transformers').__version__}")
     assert json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--json")[1])["predicted"]["status"] == "ok"
+
+
+def test_lora_on_projections_peft_refuses_is_skipped_with_peft_s_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Falcon-H1's Mamba mixers: `all-linear` targets their projections, which peft refuses for Mamba models. Asked
+    of peft on a meta build when planned, the answer is `skipped` with peft's reason, before any fake run; the
+    attention's projections alone are predicted."""
+    from model_types import shrunk  # tools/
+
+    path = tmp_path / "falcon_h1" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(shrunk("falcon_h1")))
+    row = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack", "gc + lora", "--json")[1])["predicted"]
+    assert row["status"] == "skipped" and row["skip_reason"].startswith("lora: peft "), row
+    assert "incompatible with Mamba-based models" in row["skip_reason"]
+    attention = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack",
+                                "gc + lora(targets=q_proj|k_proj|v_proj|o_proj)", "--json")[1])["predicted"]
+    assert attention["status"] == "ok", attention
 
 
 def test_a_model_whose_step_computes_on_its_datas_values_is_unsupported_saying_why(
