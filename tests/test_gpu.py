@@ -58,6 +58,30 @@ def test_workers_waiting_ahead_import_their_stacks_modules_without_a_cuda_contex
     assert abs(first - last) < 0.1, (first, last)
 
 
+def test_planning_adapter_cells_leaves_the_gpu_alone(workdir: Path) -> None:
+    """The runner plans a matrix in its own process, which lives through the whole run: asking peft which adapters
+    it refuses (bench/techniques/lora.py `peft_problem`: a meta build, peft imported) must not make a CUDA context
+    there, which would hold about 0.5 GiB of the card every cell runs on. In a fresh process, as `bench list` plans."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    pytest.importorskip("peft")
+    matrix = write_matrix(workdir, """
+    matrices:
+      g: {device: cuda, models: [tiny-llama, tiny-olmoe], seq_lens: [256], batch_sizes: [2],
+          stacks: [lora, dora, "lora(targets=qproj)"], steps: {warmup: 2, measure: 5}}
+    """)
+    script = ("import torch; from bench import cells, envinfo, spec\n"
+              f"planned = cells.plan(spec.get({str(matrix)!r}, 'g'), envinfo.host_caps())\n"
+              "print(sum(pc.skip_reason is not None for pc in planned), torch.cuda.is_initialized(), "
+              "torch._C._cuda_hasPrimaryContext(0))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == ["3", "False", "False"], done.stdout  # dora on OLMoE, qproj on both
+
+
 def test_fsdp_and_its_cpu_offload_on_one_gpu(workdir: Path) -> None:
     """FSDP2 on one GPU (nccl, world of one): exact against the baseline; CPUOffloadPolicy keeps the
     sharded parameters on the host; mixed precision keeps fp32 masters."""
