@@ -182,6 +182,14 @@ def test_lora_on_projections_peft_refuses_is_skipped_with_peft_s_reason(
     attention = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack",
                                 "gc + lora(targets=q_proj|k_proj|v_proj|o_proj)", "--json")[1])["predicted"]
     assert attention["status"] == "ok", attention
+    # a model that does not build (MusicGen's config lacks what its class reads): asking peft cannot build it either,
+    # and leaves it to the fake run, which records the build's error; the planning does not fail on it
+    broken = tmp_path / "musicgen" / "config.json"
+    broken.parent.mkdir()
+    broken.write_text(json.dumps(shrunk("musicgen")))
+    code, out = _ask(tmp_path, capsys, str(broken), "--seq", "64", "--stack", "lora", "--json")
+    row = json.loads(out)["predicted"]
+    assert code == 3 and row["status"] == "error" and "dropout" in row["error"], row
 
 
 def test_a_model_whose_step_computes_on_its_datas_values_is_unsupported_saying_why(

@@ -72,8 +72,11 @@ def _peft_refusal(model_name: str, targets: str, use_dora: bool) -> str | None:
 
     from .. import models
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(models.hf_config(models.get(model_name), "eager"))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(models.hf_config(models.get(model_name), "eager"))
+    except Exception:  # a model that does not build: the cell's build meets it again and records it
+        return None
     config = peft.LoraConfig(r=1, target_modules=target_modules(targets), task_type="CAUSAL_LM", use_dora=use_dora)
     try:
         with warnings.catch_warnings():  # what peft warns of here, the worker's build warns of again
