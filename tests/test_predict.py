@@ -145,6 +145,15 @@ def test_an_architecture_unlike_llamas_is_counted_as_a_real_run_counts(model_typ
     import fake_vs_real
     import model_types
 
+    if model_type == "bart":
+        import inspect
+
+        from transformers.models.bart import modeling_bart
+
+        if "self.layerdrop > 0" not in inspect.getsource(modeling_bart.BartDecoder.forward):
+            pytest.skip("this transformers (5.17, say) draws BART's LayerDrop unguarded, `torch.rand([]) < layerdrop` "
+                        "each layer even at 0: a branch on a value fake tensors lack, so `bench ask` answers "
+                        "unsupported, naming that line (5.24 draws only where layerdrop > 0)")
     (path,) = model_types.shrunk_configs(tmp_path, [model_type]).values()
     counts = fake_vs_real.counted(path, "mixed")  # the cell and the comparison the tool makes
     assert counts["fake_phases"] == counts["real_phases"] and "measure/backward" in counts["fake_phases"]
@@ -1860,6 +1869,7 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
     two layers) one of them: the fake run's FLOP count grows by exactly twice as much for gc; the
     op-level policy recomputes only element-wise ops, which FLOPs do not count. The memory-vs-recompute
     plot draws them (no GPU rows: its measured panel says so)."""
+    pytest.importorskip("matplotlib")  # the plots extra: `make install` has it, a `make versions-env` venv not
     from bench import plots
 
     h100 = gpus.get("h100")
