@@ -169,8 +169,8 @@ def test_a_model_transformers_cannot_checkpoint_is_skipped_with_gc_saying_why(
 def test_lora_on_projections_peft_refuses_is_skipped_with_peft_s_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Falcon-H1's Mamba mixers: `all-linear` targets their projections, which peft refuses for Mamba models. Asked
-    of peft on a meta build when planned, the answer is `skipped` with peft's reason, before any fake run; the
-    attention's projections alone are predicted."""
+    of peft on a meta build when planned, the answer is `skipped` with peft's reason, before any fake run, and names
+    the targets peft takes instead (all-linear less the modules it names, tried on peft too): those are predicted."""
     from model_types import shrunk  # tools/
 
     path = tmp_path / "falcon_h1" / "config.json"
@@ -179,9 +179,11 @@ def test_lora_on_projections_peft_refuses_is_skipped_with_peft_s_reason(
     row = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack", "gc + lora", "--json")[1])["predicted"]
     assert row["status"] == "skipped" and row["skip_reason"].startswith("lora: peft "), row
     assert "incompatible with Mamba-based models" in row["skip_reason"]
-    attention = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack",
-                                "gc + lora(targets=q_proj|k_proj|v_proj|o_proj)", "--json")[1])["predicted"]
-    assert attention["status"] == "ok", attention
+    hinted = row["skip_reason"].rsplit("; targets=", 1)[-1]
+    assert hinted == "down_proj|gate_proj|in_proj|k_proj|o_proj|q_proj|up_proj|v_proj adapts every other linear layer"
+    others = json.loads(_ask(tmp_path, capsys, str(path), "--seq", "64", "--stack",
+                             f"gc + lora(targets={hinted.split()[0]})", "--json")[1])["predicted"]
+    assert others["status"] == "ok", others
     # a model that does not build (MusicGen's config lacks what its class reads): asking peft cannot build it either,
     # and leaves it to the fake run, which records the build's error; the planning does not fail on it
     broken = tmp_path / "musicgen" / "config.json"

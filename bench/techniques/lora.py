@@ -64,18 +64,25 @@ def peft_problem(model_name: str, opts: Options, use_dora: bool = False) -> str 
 
 @cache
 def _peft_refusal(model_name: str, targets: str, use_dora: bool) -> str | None:
+    import peft
+
+    refusal = _refused(model_name, targets, use_dora)
+    if refusal is None:
+        return None
+    adapters = "DoRA" if use_dora else "LoRA"
+    hint = _other_targets(model_name, targets, use_dora, refusal)
+    return f"peft {peft.__version__} refuses {adapters} with targets={targets}: {refusal}{hint}"
+
+
+def _refused(model_name: str, targets: str, use_dora: bool) -> str | None:
+    """peft's refusal (its ValueError's message) of these adapters on a meta build of the model, or None; None too
+    for a model that does not build: the cell's build meets that again, and records it."""
     import warnings
 
     import peft
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from .. import models
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(models.hf_config(models.get(model_name), "eager"))
-    except Exception:  # a model that does not build: the cell's build meets it again and records it
+    model = _meta_build(model_name)
+    if model is None:
         return None
     config = peft.LoraConfig(r=1, target_modules=target_modules(targets), task_type="CAUSAL_LM", use_dora=use_dora)
     try:
@@ -83,10 +90,52 @@ def _peft_refusal(model_name: str, targets: str, use_dora: bool) -> str | None:
             warnings.simplefilter("ignore")
             peft.get_peft_model(model, config)
     except ValueError as err:  # peft's refusals; anything else only a real build can judge
-        hint = f"; targets={ATTENTION} adapts the attention alone" if "ParamWrapper" in str(err) else ""
-        adapters = "DoRA" if use_dora else "LoRA"
-        return f"peft {peft.__version__} refuses {adapters} with targets={targets}: {str(err).rstrip('.')}{hint}"
+        return str(err).rstrip(".")
     return None
+
+
+def _other_targets(model_name: str, targets: str, use_dora: bool, refusal: str) -> str:
+    """Targets peft takes instead, tried on peft like the asked ones, as a hint to end the refusal with (or ""):
+    the attention's projections where DoRA met fused experts; `all-linear` less the modules peft names as
+    incompatible (a Mamba mixer's `out_proj`, say)."""
+    candidates = []
+    if "ParamWrapper" in refusal:
+        candidates.append((ATTENTION, "adapts the attention alone"))
+    named = re.search(r"Incompatible modules: \{([^}]*)\}", refusal)
+    if named and targets == ALL_LINEAR:
+        rest = _linear_names(model_name) - set(re.findall(r"'([^']+)'", named.group(1)))
+        candidates.append(("|".join(sorted(rest)), "adapts every other linear layer"))
+    for other, what in candidates:
+        if other and _refused(model_name, other, use_dora) is None:
+            return f"; targets={other} {what}"
+    return ""
+
+
+def _linear_names(model_name: str) -> set[str]:
+    """The names `all-linear` adapts modules by: every linear layer's last name, the output layer's aside."""
+    import torch
+
+    model = _meta_build(model_name)
+    if model is None:
+        return set()
+    output = model.get_output_embeddings()
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not output}
+
+
+def _meta_build(model_name: str) -> Any:
+    """The registry model built on the meta device (no weights: about a second for a 3B model), or None where
+    it does not build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .. import models
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(models.hf_config(models.get(model_name), "eager"))
+    except Exception:
+        return None
 
 
 def adapt(model: Any, opts: Options, use_dora: bool = False) -> tuple[Any, Evidence]:
