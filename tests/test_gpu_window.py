@@ -155,3 +155,39 @@ def test_every_line_of_the_backlog_is_a_comment_or_a_named_step() -> None:
         assert found, f"line {number} is neither a comment nor `name: command`: {line[:80]!r}"
         names.append(found.group(1))
     assert len(names) == len(set(names)) > 10
+
+
+def test_travel_size_counts_what_a_device_call_copies_and_fails_over_the_limit(tmp_path: Path) -> None:
+    """tools/offline-gpu/travel_size.py, as prepare.sh ends: the tracked files, the untracked ones git does not
+    ignore and the carried ignored paths count; other ignored files do not. Over the limit it exits 1 naming the
+    largest tracked folder, so a GPU window is not refused after the session waited for it."""
+    import sys
+
+    def write(name: str, size: int) -> None:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text(".gpu/\nresults/raw/\n")
+    write("results/big/table.parquet", 600_000)
+    write("bench/code.py", 1_000)
+    subprocess.run(["git", "add", "."], cwd=tmp_path, check=True)
+    write("notes.txt", 2_000)  # untracked, not ignored: travels
+    write(".gpu/whl/lib.whl", 300_000)  # carried
+    write(".gpu/extra/big.whl", 5_000_000)  # ignored, not carried: stays
+    tracked = 600_000 + 1_000 + len(".gpu/\nresults/raw/\n")
+
+    def check(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(REPO / "tools" / "offline-gpu" / "travel_size.py"), *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    fits = check("--limit-mib", "1", ".gpu/whl", "results/raw")
+    assert fits.returncode == 0, fits.stderr
+    total_mib = (tracked + 2_000 + 300_000) / 2**20
+    assert f"{total_mib:8.1f} MiB  in all, of 1 MiB: {1 - total_mib:.1f} MiB left" in fits.stdout
+    assert f"{tracked / 2**20:8.1f} MiB  tracked" in fits.stdout
+    assert "0.0 MiB  carry results/raw" in fits.stdout  # absent: nothing
+
+    over = check("--limit-mib", "1", ".gpu")
+    assert over.returncode == 1
+    assert "over the limit" in over.stderr and "results/big" in over.stderr.split("\n")[1]

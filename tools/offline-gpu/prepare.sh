@@ -28,3 +28,5 @@ download .gpu/extra unsloth==2026.10.9 unsloth_zoo==2026.10.9
 python3 -m pip download -q --no-deps --no-binary=:all: -d .gpu deepspeed==0.19.8
 cp tools/offline-gpu/setup.sh .gpu/setup.sh
 du -sh .gpu .gpu/whl .gpu/extra
+# what a GPU window's call would carry, tracked tree included, against the device's 64 MiB: fails here, not there
+python3 tools/offline-gpu/travel_size.py
