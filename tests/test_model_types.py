@@ -172,6 +172,9 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
                                   {"first_step/forward": 2 * 2**20}, 0.5, 0.5)
     assert differing.worst == ("first_step/forward", 3 * 2**20, 2**21)
     assert "first_step/forward 3.000 MiB fake, 2.000 MiB real (+50.00%)" in fake_vs_real._result(differing)
+    host = fake_vs_real.Pair("llama", "fsdp + offload(params=True)", "differs", {}, {}, 0.5, 0.5, ranks=2,
+                             fake_host_bytes=1024, real_host_bytes=2048)  # the phases alike, the pinned host not
+    assert fake_vs_real._result(host) == "**differs**: pinned host memory 1024 B fake, 2048 B real"
     missing = subprocess.run([*command, "--baseline", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert missing.returncode == 2 and "--baseline" in missing.stderr
 
@@ -179,30 +182,33 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
 @pytest.mark.slow
 def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path: Path) -> None:
     """tools/fake_vs_real.py --stacks: each stack of a matrix on each registry model, counted on fake and on real CPU
-    tensors; an engine's stacks, those needing CUDA and adapters peft refuses (DoRA on OLMoE's fused experts) are
-    named with the reason and not run; a stack whose real step fails here nonetheless (that DoRA, asked by `--one`,
-    which does not plan) is `no real step`, not a failure."""
+    tensors; FSDP2's on two ranks, the fake process group against two real gloo ranks; ZeRO's, those needing CUDA and
+    adapters peft refuses (DoRA on OLMoE's fused experts) are named with the reason and not run; a stack whose real
+    step fails here nonetheless (that DoRA, asked by `--one`, which does not plan) is `no real step`, not a failure."""
     import subprocess
 
     import fake_vs_real  # tools/
 
     compared, not_compared = fake_vs_real.stack_pairs("llama3b", ["tiny-llama"])
     assert ("tiny-llama", "gc + lora") in compared and ("tiny-llama", "dora") in compared
-    assert not_compared["tiny-llama", "fsdp"] == fake_vs_real.ENGINES
+    assert ("tiny-llama", "fsdp") in compared and not_compared["tiny-llama", "zero3"] == fake_vs_real.ZERO
     assert "needs CUDA" in not_compared["tiny-llama", "liger"] and "needs CUDA" in not_compared[
         "tiny-llama", "expandable_segments"]
     assert "use_dora=True" in fake_vs_real.stack_pairs("llama3b", ["tiny-olmoe"])[1]["tiny-olmoe", "dora"]
     out = tmp_path / "stacks.md"
     tool = [sys.executable, str(REPO / "tools" / "fake_vs_real.py")]
-    done = subprocess.run([*tool, "--stacks", "smoke-ranks", "--models", "tiny-llama", "--out", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run([*tool, "--stacks", "smoke-ranks", "--models", "tiny-llama", "--out", str(out), "--jobs",
+                           "2"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     kept = json.loads(out.with_suffix(".json").read_text())
-    assert [(p["stack"], p["status"]) for p in kept["pairs"]] == [("baseline", "equal"), ("padding", "equal"),
-                                                                  ("packing", "equal")]
-    assert {stack for _, stack, _ in kept["not_compared"]} == {"fsdp", "fsdp(precision=mixed)", "gc + fsdp", "zero2",
-                                                                "zero3"}
-    assert "3 pairs: 3 equal, 0 differ, 0 failed." in out.read_text() and "Not compared here:" in out.read_text()
+    assert [(p["stack"], p["ranks"], p["status"]) for p in kept["pairs"]] == [
+        ("baseline", 1, "equal"), ("padding", 1, "equal"), ("packing", 1, "equal"), ("fsdp", 2, "equal"),
+        ("fsdp(precision=mixed)", 2, "equal"), ("gc + fsdp", 2, "equal")]
+    fsdp = kept["pairs"][3]  # its shards: less state than one rank's whole model
+    assert fsdp["real_state_gib"] == fsdp["fake_state_gib"] < kept["pairs"][0]["real_state_gib"]
+    assert {stack for _, stack, _ in kept["not_compared"]} == {"zero2", "zero3"}
+    assert "6 pairs: 6 equal, 0 differ, 0 failed." in out.read_text() and "Not compared here:" in out.read_text()
+    assert "tiny-llama (`gc + fsdp` on 2 ranks)" in out.read_text()
     again = tmp_path / "again.md"
     assert subprocess.run([*tool, "--render", str(out.with_suffix(".json")), "--out", str(again)]).returncode == 0
     assert again.read_text() == out.read_text()

@@ -251,63 +251,6 @@ def test_the_fake_build_makes_and_frees_a_tied_output_embedding_as_a_real_build_
     made_and_freed = [nbytes for nbytes, freed in fake_blocks if freed]
     assert made_and_freed == ([32000 * 64 * 2] if tied and stack != "qlora" else [])
 
-_GLOO_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-                     "reduce_scatter_tensor", "all_reduce", "broadcast")
-
-
-def _collectives_release_their_tensors(dist: Any) -> None:
-    """Makes each blocking collective return only once gloo has let go of its tensors. Gloo's worker
-    thread holds a collective's work, and with it the tensors, until it takes its queue's lock again
-    after waking the caller; on a busy CPU the caller runs on first, and a tensor it has dropped (FSDP2's
-    reduce-scatter input) then dies later, in the worker's thread, while the step has allocated more:
-    a late free the counter sees as a higher peak (CI: +262,656 B in the first backward, 1 run in 8
-    here under load). A GPU run has no such thread holding its tensors."""
-    import time
-
-    import torch
-
-    def storages(args: tuple, kwargs: dict) -> list:
-        return [a.untyped_storage() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-
-    def use_counts(held: list) -> list[int]:
-        return [torch._C._storage_Use_Count(s._cdata) for s in held]
-
-    def released(collective: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            held = storages(args, kwargs)
-            before = use_counts(held)
-            work = collective(*args, **kwargs)
-            deadline = time.monotonic() + 5
-            while not kwargs.get("async_op") and time.monotonic() < deadline \
-                    and any(now > then for now, then in zip(use_counts(held), before, strict=True)):
-                time.sleep(0.001)
-            return work
-        return call
-
-    for name in _GLOO_COLLECTIVES:
-        if hasattr(dist, name):  # all_gather_single, reduce_scatter_single: not in torch 2.11
-            setattr(dist, name, released(getattr(dist, name)))
-
-
-def _counted_on_gloo(rank: int, world: int, port: int, stack: str, queue) -> None:
-    """One rank of a real gloo group: the cell's steps on real CPU tensors under the counter."""
-    import os
-
-    import torch.distributed as dist
-
-    from bench import distributed
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    distributed.mesh("cpu")  # made before the counter, as the fake run makes it (a GPU run keeps it on the host)
-    import peft  # noqa: F401  # imported before the counter as in the fake run's process: its import makes
-    # tensors (peft's default arguments, bitsandbytes' quantization tables) a GPU run keeps on the host
-    _collectives_release_their_tensors(dist)
-    cell = dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2, parse_stack(stack)), gpus=world)
-    counter, _, state = fake.counted_run(cell, Workspaces(), fake=False)
-    queue.put((rank, dict(counter.phase_peaks), counter.breakdown(counter.peak), state, counter.host_peak_bytes))
-    distributed.shutdown()
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -319,33 +262,25 @@ def test_the_fake_process_group_counts_what_two_gloo_ranks_count(stack: str) -> 
     processes running the same steps on real tensors under the same counter: equal, phase for phase,
     on every rank. DDP's real reducer rebuilds its buckets in the second step's forward (the fake run
     keeps the first ones): the same bytes, which the breakdown then files under other roles."""
-    import multiprocessing
-
-    from bench import distributed
+    sys.path[:0] = [str(REPO / "tools")]
+    import gloo_ranks
 
     cell = dataclasses.replace(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack(stack)), gpus=2)
     with fake._fake_process_group(cell):
         predicted, _, predicted_state = fake.counted_run(cell, Workspaces())
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    port = distributed.free_port()
-    ranks = [context.Process(target=_counted_on_gloo, args=(r, 2, port, stack, queue)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    measured = sorted(queue.get(timeout=240) for _ in ranks)
-    for process in ranks:
-        process.join(timeout=60)
+    measured = gloo_ranks.counted_ranks(dataclasses.replace(make_cell(SMOKE, "cpu", "tiny-llama", 64, 2,
+                                                                      parse_stack(stack)), gpus=2))
     steps = {k: v for k, v in predicted.phase_peaks.items() if k != "build"}  # a real build makes temporaries
     on_device = {"first_step/forward", "first_step/backward", "measure/backward"}
     assert set(steps) >= on_device | ({"first_step/optimizer"} if "offload" not in stack else set())  # or on the host
-    for _, phase_peaks, at_peak, state, host_peak_bytes in measured:
-        assert steps == {k: phase_peaks[k] for k in steps}
+    for rank in measured:
+        assert steps == {k: rank.phase_peaks[k] for k in steps}
         if "ddp" in stack:  # the same bytes at the peak, the buckets' role aside
-            assert sum(predicted.breakdown(predicted.peak).values()) == sum(at_peak.values())
+            assert sum(predicted.breakdown(predicted.peak).values()) == sum(rank.at_peak.values())
         else:
-            assert predicted.breakdown(predicted.peak) == at_peak
-        assert predicted_state == state
-        assert predicted.host_peak_bytes == host_peak_bytes  # FSDP's offload: its shards, gradients, state
+            assert predicted.breakdown(predicted.peak) == rank.at_peak
+        assert predicted_state == rank.state_gib
+        assert predicted.host_peak_bytes == rank.host_peak_bytes  # FSDP's offload: its shards, gradients, state
 
 
 def test_fsdp2_gathers_on_its_copy_in_stream_and_reduces_gradients_on_its_reduce_scatter_stream() -> None:

@@ -16,11 +16,14 @@ earlier --out's JSON: only if a pair equal there no longer is), 2 on bad argumen
 
 `--stacks MATRIX` asks the same of techniques: each stack of the matrix on each `--models` (the registry's tiny models),
 the same cell, each pair in a process of its own (a Triton kernel that finds no GPU breaks the process it ran in).
-Stacks whose real step cannot run on this CPU are listed with the reason, not compared: a technique that needs CUDA
-(Liger's Triton kernels, the allocator's settings, paged AdamW), adapters peft refuses when the cell is planned (DoRA
-on OLMoE's fused experts), and the engines, which several ranks' fake process group is compared with real gloo ranks
-for (tests/test_predict.py) and ZeRO's hybrid with DeepSpeed's engine (tools/hybrid_check.py). A pair whose real
-step fails here nonetheless (`--one tiny-olmoe --stack dora` skips the planning) is `no real step`: nothing to compare with, not failed; `failed` is a fake run that fails where the real step runs, the
+FSDP2's and DDP's stacks are compared on ENGINE_RANKS ranks: the fake run as a prediction makes it, this process
+rank 0 of torch's fake process group, against as many real gloo ranks (tools/gloo_ranks.py), every rank's count
+equal to the fake one's, pinned host memory (FSDP2's offload) too. Stacks whose real step cannot run on this CPU are
+listed with the reason, not compared: a technique that needs CUDA (Liger's Triton kernels, the allocator's settings,
+paged AdamW), adapters peft refuses when the cell is planned (DoRA on OLMoE's fused experts), and ZeRO, whose
+hybrid is compared with DeepSpeed's engine by tools/hybrid_check.py. A pair whose real step fails here
+nonetheless (`--one tiny-olmoe --stack dora` skips the planning) is `no real step`: nothing to compare with, not
+failed; `failed` is a fake run that fails where the real step runs, the
 predictor's fault. Each fake run runs within what a prediction runs within (bench/predict/fake.py `predicting`: Liger's
 and cut cross-entropy's kernels launching nothing, their value-dependent helpers replaced); the real step as the
 tests run it (torchao's compiled optimizer step replaced on both sides by what it allocates). Under torch 2.13 /
@@ -33,7 +36,6 @@ caching allocator) is checked against GPU rows (results/PREDICTION.md), not here
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -48,8 +50,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import model_types  # noqa: E402  (tools/: the architectures' shrunk configs)
 
-ENGINES = ("an engine: its fake process group is compared with real gloo ranks in tests/test_predict.py, ZeRO's "
-           "hybrid with DeepSpeed's engine by tools/hybrid_check.py")
+ZERO = "ZeRO: its hybrid is compared with DeepSpeed's engine on gloo ranks by tools/hybrid_check.py"
+ENGINE_RANKS = 2  # FSDP2's and DDP's pairs: the fake process group's ranks against as many real gloo ranks
 TIMEOUT_S = 600  # one pair: two counted runs of a two-layer model, seconds to a minute on 2 cores
 SEQ, BATCH = 64, 2  # the cell tests/test_predict.py compares for the registry's tiny models
 
@@ -64,6 +66,9 @@ class Pair:
     fake_state_gib: float | None = None  # optimizer state
     real_state_gib: float | None = None
     why: str = ""  # a failed pair's exception
+    ranks: int = 1  # FSDP2's and DDP's: ENGINE_RANKS (the real side's figures: the first rank unlike the fake run)
+    fake_host_bytes: int | None = None  # pinned host memory at its peak (offload)
+    real_host_bytes: int | None = None
 
     @property
     def worst(self) -> tuple[str, int, int] | None:
@@ -84,19 +89,41 @@ def counted(model: str | Path, stack: str) -> dict[str, Any]:
 
     name = models.register_file(Path(model)) if str(model).endswith(".json") else str(model)
     cell = _cell(name, stack)
-    found: dict[str, Any] = {}
-    for side, is_fake in (("fake", True), ("real", False)):
-        try:  # the fake run within what a prediction runs within (its kernels launching nothing, say)
-            with fake.predicting(cell) if is_fake else contextlib.nullcontext():
-                counter, _, state_gib = fake.counted_run(cell, Workspaces(), fake=is_fake)
-        except Exception as err:  # this stack's; the process's other stacks still run
-            found[f"{side}_error"] = _said_briefly(err)
-            continue
-        found[f"{side}_phases"] = {k: v for k, v in counter.phase_peaks.items() if k != "build"}
-        found[f"{side}_state_gib"] = state_gib
-    if "real_error" in found:  # nothing to compare with: the step fails here whatever the fake run did
-        return {"no_real_step": found["real_error"]}
-    return {"error": found["fake_error"]} if "fake_error" in found else found
+    found: dict[str, Any] = {"ranks": cell.gpus}
+    try:  # the fake run within what a prediction runs within (its kernels launching nothing, its process group)
+        with fake.predicting(cell):
+            counter, _, state_gib = fake.counted_run(cell, Workspaces(), fake=True)
+        found.update(_side("fake", counter.phase_peaks, state_gib, counter.host_peak_bytes))
+    except Exception as err:  # this stack's; the process's other stacks still run
+        found["fake_error"] = _said_briefly(err)
+    try:
+        found.update(_real_side(cell, found))
+    except Exception as err:
+        return {"ranks": cell.gpus, "no_real_step": _said_briefly(err)}  # nothing to compare with
+    return {"ranks": cell.gpus, "error": found["fake_error"]} if "fake_error" in found else found
+
+
+def _side(side: str, phase_peaks: dict[str, int], state_gib: float, host_bytes: int) -> dict[str, Any]:
+    """One side's figures, as a Pair holds them: every phase's peak but the build's (a real build makes temporaries a
+    meta build does not)."""
+    return {f"{side}_phases": {k: v for k, v in phase_peaks.items() if k != "build"}, f"{side}_state_gib": state_gib,
+            f"{side}_host_bytes": host_bytes}
+
+
+def _real_side(cell: Any, fake_found: dict[str, Any]) -> dict[str, Any]:
+    """The cell's steps on real CPU tensors: here, or on `cell.gpus` real gloo ranks. Of several ranks, the first
+    whose figures differ from the fake run's (`fake_found`), else rank 0's."""
+    from bench.predict import fake
+    from bench.predict.counter import Workspaces
+
+    if cell.gpus == 1:
+        counter, _, state_gib = fake.counted_run(cell, Workspaces(), fake=False)
+        return _side("real", counter.phase_peaks, state_gib, counter.host_peak_bytes)
+    import gloo_ranks
+
+    sides = [_side("real", r.phase_peaks, r.state_gib, r.host_peak_bytes) for r in gloo_ranks.counted_ranks(cell)]
+    return next((s for s in sides if any(fake_found.get(k.replace("real", "fake")) != v for k, v in s.items())),
+                sides[0])
 
 
 def _said_briefly(err: Exception) -> str:
@@ -105,12 +132,15 @@ def _said_briefly(err: Exception) -> str:
 
 
 def _cell(model: str, stack: str) -> Any:
-    """The compared cell: `model` under `stack` on the CPU, seq SEQ, batch BATCH, the smoke matrix's steps."""
+    """The compared cell: `model` under `stack` on the CPU, seq SEQ, batch BATCH, the smoke matrix's steps; on
+    ENGINE_RANKS ranks where the stack's engine is FSDP2 or DDP (their fake process group is what is compared)."""
     from bench import spec
     from bench.cells import make_cell
+    from bench.predict.fake import FAKE_GROUP_ENGINES
     from bench.stacks import parse_stack
 
-    return make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", model, SEQ, BATCH, parse_stack(stack))
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", model, SEQ, BATCH, parse_stack(stack))
+    return replace(cell, gpus=ENGINE_RANKS) if set(cell.stack.names) & set(FAKE_GROUP_ENGINES) else cell
 
 
 def compare(model: str, model_type: str, stacks: list[str]) -> list[Pair]:
@@ -128,11 +158,12 @@ def compare(model: str, model_type: str, stacks: list[str]) -> list[Pair]:
 
 
 def _pair(model_type: str, stack: str, found: dict[str, Any]) -> Pair:
+    ranks = found.get("ranks", 1)
     if "error" in found:
-        return Pair(model_type, stack, "failed", why=found["error"])
+        return Pair(model_type, stack, "failed", why=found["error"], ranks=ranks)
     if "no_real_step" in found:
-        return Pair(model_type, stack, "no real step", why=found["no_real_step"])
-    same = found["fake_phases"] == found["real_phases"] and found["fake_state_gib"] == found["real_state_gib"]
+        return Pair(model_type, stack, "no real step", why=found["no_real_step"], ranks=ranks)
+    same = all(found[f"fake_{k}"] == found[f"real_{k}"] for k in ("phases", "state_gib", "host_bytes"))
     return Pair(model_type, stack, "equal" if same else "differs", **found)
 
 
@@ -165,8 +196,8 @@ def stack_pairs(matrix_name: str, models: list[str]) -> tuple[list[tuple[str, st
     compared, not_compared = [], {}
     for model in models:
         for stack in matrix.stacks:
-            engine = any(u.technique.slot == "engine" for u in stack.uses)
-            why = ENGINES if engine else cells.skip_reason(_cell(model, stack.label), smoke, host)
+            zero = any(u.technique.slot == "engine" for u in stack.uses) and _cell(model, stack.label).gpus == 1
+            why = ZERO if zero else cells.skip_reason(_cell(model, stack.label), smoke, host)
             if why:
                 not_compared[model, stack.label] = why
             else:
@@ -202,8 +233,8 @@ def markdown(found: list[Pair], about: dict[str, Any]) -> str:
     unequal = [p for p in found if p.status != "equal"]
     if unequal:
         lines += ["", f"| {'model' if 'matrix' in about else 'model type'} | stack | result |", "|---|---|---|"]
-        lines += [f"| {p.model_type} | `{p.stack}` | {_result(p)} |" for p in unequal]
-    lines += ["", "Equal: " + ", ".join(f"{p.model_type} (`{p.stack}`)" for p in found if p.status == "equal") + "."]
+        lines += [f"| {p.model_type} | {_stack(p)} | {_result(p)} |" for p in unequal]
+    lines += ["", "Equal: " + ", ".join(f"{p.model_type} ({_stack(p)})" for p in found if p.status == "equal") + "."]
     reasons: dict[str, list[str]] = {}
     for model, stack, why in about.get("not_compared", []):
         reasons.setdefault(why, []).append(f"{model} (`{stack}`)")
@@ -213,12 +244,18 @@ def markdown(found: list[Pair], about: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stack(p: Pair) -> str:
+    return f"`{p.stack}`" + (f" on {p.ranks} ranks" if p.ranks > 1 else "")
+
+
 def _result(p: Pair) -> str:
     if p.status in ("failed", "no real step"):
         return f"**{p.status}**: {p.why.replace('|', '/')}"
     worst = p.worst
-    if worst is None:
+    if worst is None and p.fake_state_gib != p.real_state_gib:
         return f"**differs**: optimizer state {p.fake_state_gib:.6f} GiB fake, {p.real_state_gib:.6f} GiB real"
+    if worst is None:
+        return f"**differs**: pinned host memory {p.fake_host_bytes} B fake, {p.real_host_bytes} B real"
     phase, fake, real = worst
     return (f"**differs**: {phase} {fake / 2**20:.3f} MiB fake, {real / 2**20:.3f} MiB real "
             f"({(fake - real) / max(real, 1):+.2%})")
@@ -287,7 +324,7 @@ def _against(baseline: Path, found: list[Pair]) -> tuple[str, set[tuple[str, str
     was_equal = {(p["model_type"], p["stack"]) for p in kept if p["status"] == "equal"}
     gone = [p for p in found if (p.model_type, p.stack) in was_equal and p.status != "equal"]
     text = f"\nAgainst {baseline.name}: " + (f"{len(gone)} pairs equal there no longer are:\n\n" + "\n".join(
-        f"- {p.model_type} / `{p.stack}`: {_result(p)}" for p in gone) if gone else "every pair equal there still is.")
+        f"- {p.model_type} / {_stack(p)}: {_result(p)}" for p in gone) if gone else "every pair equal there still is.")
     unrun = sorted(was_equal - {(p.model_type, p.stack) for p in found})
     if unrun:
         text += (f" {len(unrun)} pairs equal there did not run here (not compared, or not asked): " +
