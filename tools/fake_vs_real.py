@@ -18,7 +18,8 @@ earlier --out's JSON: only if a pair equal there no longer is), 2 on bad argumen
 the same cell, each pair in a process of its own (a Triton kernel that finds no GPU breaks the process it ran in).
 FSDP2's and DDP's stacks are compared on ENGINE_RANKS ranks: the fake run as a prediction makes it, this process
 rank 0 of torch's fake process group, against as many real gloo ranks (tools/gloo_ranks.py), every rank's count
-equal to the fake one's, pinned host memory (FSDP2's offload) too. Stacks whose real step cannot run on this CPU are
+equal to the fake one's, pinned host memory too (FSDP2's offload: its real step runs on gloo ranks, though a measured
+CPU cell, with nothing to offload from, is skipped as needing CUDA). Stacks whose real step cannot run on this CPU are
 listed with the reason, not compared: a technique that needs CUDA (Liger's Triton kernels, the allocator's settings,
 paged AdamW), adapters peft refuses when the cell is planned (DoRA on OLMoE's fused experts), and ZeRO, whose
 hybrid is compared with DeepSpeed's engine by tools/hybrid_check.py. A pair whose real step fails here
@@ -187,7 +188,7 @@ def compare_all(pairs: list[tuple[str, str]], jobs: int) -> list[Pair]:
 
 def stack_pairs(matrix_name: str, models: list[str]) -> tuple[list[tuple[str, str]], dict[tuple[str, str], str]]:
     """The matrix's stacks on each model: the (model, stack) pairs to compare, and the others with why not."""
-    from bench import cells, spec
+    from bench import spec
     from bench.envinfo import host_caps
 
     matrix = spec.get(REPO / "matrix.yaml", matrix_name)
@@ -196,13 +197,27 @@ def stack_pairs(matrix_name: str, models: list[str]) -> tuple[list[tuple[str, st
     compared, not_compared = [], {}
     for model in models:
         for stack in matrix.stacks:
-            zero = any(u.technique.slot == "engine" for u in stack.uses) and _cell(model, stack.label).gpus == 1
-            why = ZERO if zero else cells.skip_reason(_cell(model, stack.label), smoke, host)
+            cell = _cell(model, stack.label)
+            zero = any(u.technique.slot == "engine" for u in stack.uses) and cell.gpus == 1
+            why = ZERO if zero else _skip_reason(cell, smoke, host)
             if why:
                 not_compared[model, stack.label] = why
             else:
                 compared.append((model, stack.label))
     return compared, not_compared
+
+
+def _skip_reason(cell: Any, smoke: Any, host: Any) -> str | None:
+    """Why the cell's real step cannot run on this CPU (bench/cells.py), or None. FSDP2's offload is the one
+    technique that needs CUDA whose step runs here nonetheless, on gloo ranks: a measured CPU cell has nothing to
+    offload from, but its CPUOffloadPolicy moves the shards, gradients and optimizer state to the host all the same,
+    which is what the fake run counts there. So a multi-rank stack needing CUDA for offload alone is judged as on
+    GPUs, its other conditions (families, adapters peft takes) as they would be there."""
+    from bench import cells
+
+    if cell.gpus > 1 and {u.name for u in cell.stack.uses if u.technique.requires_cuda} == {"offload"}:
+        return cells.skip_reason(replace(cell, device="cuda"), smoke, replace(host, cuda_devices=cell.gpus))
+    return cells.skip_reason(cell, smoke, host)
 
 
 def compare_stacks(pairs: list[tuple[str, str]], jobs: int) -> list[Pair]:
