@@ -28,7 +28,8 @@ failed; `failed` is a fake run that fails where the real step runs, the
 predictor's fault. Each fake run runs within what a prediction runs within (bench/predict/fake.py `predicting`: Liger's
 and cut cross-entropy's kernels launching nothing, their value-dependent helpers replaced); the real step as the
 tests run it (torchao's compiled optimizer step replaced on both sides by what it allocates). Under torch 2.13 /
-transformers 5.24, the coverage matrix's 60 stacks on the four tiny models take 12 minutes on 2 cores with --jobs 2.
+transformers 5.24, the coverage matrix's 60 stacks on the four tiny models took 12 minutes on 2 cores with --jobs 2
+before the engines' pairs came; with their 12 on 2 ranks, 25 minutes beside the test suite (2026-12-02).
 
 The comparison is of the fake-tensor path alone: what a GPU adds (cuBLAS workspaces, attention kernels' scratch, the
 caching allocator) is checked against GPU rows (results/PREDICTION.md), not here.
