@@ -210,6 +210,8 @@ def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path
     assert {stack for _, stack, _ in kept["not_compared"]} == {"zero2", "zero3"}
     assert "6 pairs: 6 equal, 0 differ, 0 failed." in out.read_text() and "Not compared here:" in out.read_text()
     assert "tiny-llama (`gc + fsdp` on 2 ranks)" in out.read_text()
+    assert "against as many real gloo ranks, each rank's count equal" in out.read_text()
+    assert "the optimizer state and the pinned host memory are the same" in out.read_text()
     again = tmp_path / "again.md"
     assert subprocess.run([*tool, "--render", str(out.with_suffix(".json")), "--out", str(again)]).returncode == 0
     assert again.read_text() == out.read_text()

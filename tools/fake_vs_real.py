@@ -238,10 +238,15 @@ def markdown(found: list[Pair], about: dict[str, Any]) -> str:
     else:
         title, what = "architecture by architecture", (f"Each (model type, stack) that `{about['sweep']}` predicted, "
                                                        "its shrunk config's cell")
+    ranks = (f"; FSDP2's and DDP's on {ENGINE_RANKS} ranks, torch's fake process group against as many real gloo "
+             "ranks, each rank's count equal to the fake one's") if any(p.ranks > 1 for p in found) else ""
+    equal = ("every phase's peak bytes (the build's aside), the optimizer state and the pinned host memory are"
+             if any(p.fake_host_bytes is not None for p in found) else
+             "every phase's peak bytes (the build's aside) and the optimizer state are")
     lines = [f"# The fake run against real CPU tensors, {title} ({about['versions']})", "",
              f"{what} on the CPU (seq {SEQ}, batch {BATCH}) counted twice by the predictor's memory counter: on fake "
-             "tensors, as a prediction runs, and on real CPU tensors (`tools/fake_vs_real.py`). Equal: every phase's "
-             "peak bytes (the build's aside) and the optimizer state are the same to the byte. CPU runs, not GPU "
+             f"tensors, as a prediction runs, and on real CPU tensors (`tools/fake_vs_real.py`){ranks}. Equal: {equal} "
+             "the same to the byte. CPU runs, not GPU "
              "measurements: what a GPU adds (workspaces, kernels' scratch, the allocator) is checked against GPU rows, "
              "in PREDICTION.md. Generated; never edited by hand.", "",
              f"{len(found)} pairs: " + ", ".join(f"{counts[s]} {s.replace('differs', 'differ')}" for s in statuses
