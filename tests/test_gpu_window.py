@@ -188,6 +188,13 @@ def test_travel_size_counts_what_a_device_call_copies_and_fails_over_the_limit(t
     assert f"{tracked / 2**20:8.1f} MiB  tracked" in fits.stdout
     assert "0.0 MiB  carry results/raw" in fits.stdout  # absent: nothing
 
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "offline-gpu" / "travel_size.py")], cwd=outside,
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "GIT_CEILING_DIRECTORIES":
+                                                                              str(tmp_path)})
+    assert refused.returncode == 2 and "not in a git checkout" in refused.stderr
+
     over = check("--limit-mib", "1", ".gpu")
     assert over.returncode == 1
     assert "over the limit" in over.stderr and "results/big" in over.stderr.split("\n")[1]

@@ -11,6 +11,7 @@ the check belongs here. The tracked tree grows with every published table (29 Mi
 Prints each part's size, the total and what is left; exits 1 when over the limit, naming the largest tracked
 folders (what a smaller tree would come from) and the carried paths (what could be carried in another call).
 Default carry: the GPU window's (`.gpu/whl`, `.gpu/setup.sh`, DeepSpeed's source archive, `results/raw`).
+Exits 2, naming it, outside a git checkout.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("carry", nargs="*", default=list(WINDOW_CARRY), help="ignored paths the call carries")
     parser.add_argument("--limit-mib", type=float, default=64.0, help="what a call may carry (default 64)")
     args = parser.parse_args(argv)
-    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    found = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if found.returncode != 0:  # a device call copies a git checkout: nothing to size elsewhere
+        print(f"travel_size: not in a git checkout ({Path.cwd()})", file=sys.stderr)
+        return 2
+    root = Path(found.stdout.strip())
     parts = travel_parts(root, args.carry)
     for name, size in parts.items():
         print(f"{size / MIB:8.1f} MiB  {name}")
