@@ -35,7 +35,20 @@ def test_each_answer_is_its_own_process_and_a_refusal_is_said_not_raised(tmp_pat
     table = model_types.markdown([ok, model_types.Answer("broken", "gc + lora", "refused", why="a | b")],
                                  ["gc + lora"], "torch x")
     assert "`gc + lora`: 1 of 2 predicted" in table
-    assert "| broken | **refused**: a / b |" in table  # a reason's pipe cannot break the table
+    assert "| broken | **refused**: a \\| b |" in table  # a reason's pipe cannot break the table
+
+
+def test_a_reason_is_given_whole_up_to_its_limit() -> None:
+    """peft's refusal of LoRA on a Mamba hybrid with the suite's hint of the targets that would do runs to ~400
+    characters: the table once cut it at 200, hint and all. Only a reason past the limit is cut, and says so."""
+    hint = "lora: peft refuses LoRA with targets=all-linear: " + "x" * 330 + "; targets=in_proj|o_proj adapts every other"
+    assert model_types._short(hint) == hint
+    huge = "RuntimeError: " + "1.0, " * 400  # an exception with a tensor's repr
+    assert model_types._short(huge) == huge[:model_types.WHY_MAX_CHARS] + " [cut]"
+    table = model_types.markdown([model_types.Answer("falcon_h1", "gc + lora", "skipped", why=hint)],
+                                 ["gc + lora"], "torch x")
+    in_cell = hint.replace("|", "\\|")  # its pipes escaped, not changed: a user copies the targets as they are
+    assert f"| falcon_h1 | **skipped**: {in_cell} |" in table
 
 
 def test_a_failed_answer_is_the_predictors_only_where_its_step_runs_for_real(tmp_path: Path) -> None:

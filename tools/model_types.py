@@ -172,11 +172,11 @@ def ask(config_path: Path, model_type: str, stack: str) -> Answer:
         row = json.loads(done.stdout)["predicted"]
     except (json.JSONDecodeError, KeyError, TypeError):
         tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        return Answer(model_type, stack, "refused" if done.returncode == 2 else "crashed", why=tail[:200])
+        return Answer(model_type, stack, "refused" if done.returncode == 2 else "crashed", why=_short(tail))
     reason = row.get("unsupported_reason") or row.get("skip_reason")
     why = str(reason).strip().splitlines()[0] if reason else _exception(str(row.get("error") or ""))
     return Answer(model_type, stack, str(row.get("status")), row.get("peak_allocated_gib"),
-                  row.get("peak_reserved_gib"), why[:200])
+                  row.get("peak_reserved_gib"), _short(why))
 
 
 def _stop_past(max_gib: float) -> None:
@@ -189,6 +189,15 @@ def _stop_past(max_gib: float) -> None:
             print(f"MemoryError: the real step passed {max_gib} GiB of host memory", file=sys.stderr, flush=True)
             os._exit(3)
         time.sleep(0.1)
+
+
+WHY_MAX_CHARS = 600  # a reason is one line; peft's refusal with the suite's hint of other targets runs to ~400
+
+
+def _short(why: str) -> str:
+    """A reason or exception as the table gives it: whole up to WHY_MAX_CHARS, else cut there and marked so (an
+    exception can carry a tensor's repr)."""
+    return why if len(why) <= WHY_MAX_CHARS else why[:WHY_MAX_CHARS] + " [cut]"
 
 
 def _exception(trace: str) -> str:
@@ -208,7 +217,7 @@ def runs_for_real(config_path: Path, stack: str) -> str:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"no real step in {TIMEOUT_S} s"
-    return "" if done.returncode == 0 else _exception(done.stderr)[:200] or f"exit {done.returncode}"
+    return "" if done.returncode == 0 else _short(_exception(done.stderr)) or f"exit {done.returncode}"
 
 
 REAL_STEP_MAX_GIB = 6  # a shrunk config's real step takes well under 1 GiB; one that grows past this is stopped
@@ -264,13 +273,19 @@ def _cell(a: Answer) -> str:
     if a.status == "ok":
         return f"ok: {a.peak_allocated_gib:.3f} / {a.peak_reserved_gib:.3f} GiB"
     why = re.sub(r"\S*/([^/\s]+/config\.json)", r"\1", a.why)  # the config's temporary folder, named by its type
-    said = f"**{a.status}**: {why.replace('|', '/')}"
+    said = f"**{a.status}**: {_escaped(why)}"
     if a.real_step is None:
         return said
     if a.real_step == "":
         return said + "; **runs for real**"
     same = a.real_step[:80] == a.why[:80]  # an error's exception, or the real step's within its first 80 characters
-    return said + ("; fails for real too" if same else f"; fails for real: {a.real_step.replace('|', '/')}")
+    return said + ("; fails for real too" if same else f"; fails for real: {_escaped(a.real_step)}")
+
+
+def _escaped(text: str) -> str:
+    """A pipe kept inside its table cell (GitHub's markdown reads `\\|` as one): peft's hint names targets as
+    `down_proj|gate_proj`, which a user copies as they are."""
+    return text.replace("|", "\\|")
 
 
 def versions() -> str:
