@@ -9,6 +9,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 STEPS = """# a comment, then steps
@@ -142,6 +144,22 @@ def test_a_slimmed_wheel_drops_the_libraries_asked_and_still_installs(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "site" / "demo").iterdir()) == ["__init__.py", "lib_cuda130.so"]
     installed_record = (tmp_path / "site" / "demo-1.0.dist-info" / "RECORD").read_text()
     assert "lib_cuda130.so" in installed_record and "lib_cuda118" not in installed_record
+
+
+def test_prepare_keeps_bitsandbytes_library_for_the_gpu_images_cuda_alone() -> None:
+    """prepare.sh's pattern, applied to the libraries the installed bitsandbytes ships: what travels is the CPU one
+    and CUDA 13.0's (the image's torch is 2.11.0+cu130; bitsandbytes falls back to it on a later CUDA 13). Dropping
+    CUDA 13.2's and the XPU ones took .gpu/whl from 14.3 to 10.3 MiB; a pattern that dropped 13.0's too would leave
+    every 8-bit and 4-bit cell of a window without its kernels."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes
+
+    script = (REPO / "tools" / "offline-gpu" / "prepare.sh").read_text()
+    (pattern,) = re.findall(r"slim_wheel\.py \S*bitsandbytes\S* \\\n\s*'([^']+)'", script)
+    shipped = sorted(p.name for p in Path(bitsandbytes.__file__).parent.glob("libbitsandbytes_*.so"))
+    assert "libbitsandbytes_cuda132.so" in shipped  # the installed wheel ships them all: the pattern meets them all
+    assert [name for name in shipped if not re.search(pattern, name)] == ["libbitsandbytes_cpu.so",
+                                                                            "libbitsandbytes_cuda130.so"]
 
 
 def test_every_line_of_the_backlog_is_a_comment_or_a_named_step() -> None:

@@ -4,9 +4,9 @@
 
 Removes every member whose path matches REGEX, and its line in the wheel's RECORD (so the installed
 RECORD lists only what was installed), rewriting WHEEL in place. bitsandbytes 0.50.2 ships one library
-per CUDA and ROCm release (123 MiB unpacked, 41 MiB packed); the GPU image's torch is built for CUDA 13,
-which loads libbitsandbytes_cuda130.so. Without the others the wheel is 7 MiB, and .gpu/whl (49 -> 14
-MiB) travels beside the tracked tree within a call's 64 MiB.
+per CUDA, ROCm and XPU release (123 MiB unpacked, 41 MiB packed); the GPU image's torch is 2.11.0+cu130,
+which loads libbitsandbytes_cuda130.so. With that one and the CPU one alone the wheel is 3.4 MiB, and .gpu/whl
+(49 -> 10 MiB) travels beside the tracked tree within a call's 64 MiB.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A lent GPU (this project's `device` tool) copies the working tree to the host fo
 files, the untracked files git does not ignore, `shared/` where the checkout has one, and the ignored paths
 named in `carry`, 64 MiB in all. Past it the call is refused, after the session has waited for a window, so
 the check belongs here. The tracked tree grows with every published table (29 MiB on 2026-11-29, 42 MiB on
-2026-12-02) and the offline wheels are about 17 MiB, so the margin shrinks a little each session.
+2026-12-02) and the offline wheels about 12 MiB, so the margin shrinks a little each session.
 
 Prints each part's size, the total and what is left; exits 1 when over the limit, naming the largest tracked
 folders (what a smaller tree would come from) and the carried paths (what could be carried in another call).
