@@ -192,6 +192,19 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
     assert missing.returncode == 2 and "--baseline" in missing.stderr
 
 
+def test_fake_vs_real_keeps_a_reasons_pipes_as_said() -> None:
+    """peft's hint names targets as `q_proj|k_proj`: in the list of pairs not compared it stays as said, in a table's
+    cell it is escaped (GitHub reads `\\|` as one pipe), never turned into slashes a user would copy wrongly."""
+    import fake_vs_real  # tools/
+
+    why = "peft refuses DoRA; targets=q_proj|k_proj adapts the attention alone"
+    text = fake_vs_real.markdown([fake_vs_real.Pair("tiny-olmoe", "gc", "no real step", why="ValueError: a|b")],
+                                 {"versions": "torch x", "matrix": "coverage", "models": ["tiny-olmoe"],
+                                  "not_compared": [["tiny-olmoe", "dora", why]]})
+    assert f"- {why}: tiny-olmoe (`dora`)" in text
+    assert "| tiny-olmoe | `gc` | **no real step**: ValueError: a\\|b |" in text
+
+
 @pytest.mark.slow
 def test_fake_vs_real_sets_each_stacks_fake_run_beside_real_cpu_tensors(tmp_path: Path) -> None:
     """tools/fake_vs_real.py --stacks: each stack of a matrix on each registry model, counted on fake and on real CPU

@@ -261,7 +261,7 @@ def markdown(found: list[Pair], about: dict[str, Any]) -> str:
         reasons.setdefault(why, []).append(f"{model} (`{stack}`)")
     if reasons:
         lines += ["", "Not compared here:", ""]
-        lines += [f"- {why.replace('|', '/')}: {', '.join(pairs)}" for why, pairs in reasons.items()]
+        lines += [f"- {why}: {', '.join(pairs)}" for why, pairs in reasons.items()]  # a list: its pipes stay as said
     return "\n".join(lines) + "\n"
 
 
@@ -271,7 +271,7 @@ def _stack(p: Pair) -> str:
 
 def _result(p: Pair) -> str:
     if p.status in ("failed", "no real step"):
-        return f"**{p.status}**: {p.why.replace('|', '/')}"
+        return f"**{p.status}**: {model_types.in_cell(p.why)}"
     worst = p.worst
     if worst is None and p.fake_state_gib != p.real_state_gib:
         return f"**differs**: optimizer state {p.fake_state_gib:.6f} GiB fake, {p.real_state_gib:.6f} GiB real"

@@ -273,16 +273,16 @@ def _cell(a: Answer) -> str:
     if a.status == "ok":
         return f"ok: {a.peak_allocated_gib:.3f} / {a.peak_reserved_gib:.3f} GiB"
     why = re.sub(r"\S*/([^/\s]+/config\.json)", r"\1", a.why)  # the config's temporary folder, named by its type
-    said = f"**{a.status}**: {_escaped(why)}"
+    said = f"**{a.status}**: {in_cell(why)}"
     if a.real_step is None:
         return said
     if a.real_step == "":
         return said + "; **runs for real**"
     same = a.real_step[:80] == a.why[:80]  # an error's exception, or the real step's within its first 80 characters
-    return said + ("; fails for real too" if same else f"; fails for real: {_escaped(a.real_step)}")
+    return said + ("; fails for real too" if same else f"; fails for real: {in_cell(a.real_step)}")
 
 
-def _escaped(text: str) -> str:
+def in_cell(text: str) -> str:
     """A pipe kept inside its table cell (GitHub's markdown reads `\\|` as one): peft's hint names targets as
     `down_proj|gate_proj`, which a user copies as they are."""
     return text.replace("|", "\\|")
