@@ -20,7 +20,7 @@ from .predict.report import beside_measured, predictions
 from .results import STATUSES, read_parquet
 from .spec import MatrixSpec
 from .stacks import BASELINE
-from .views import PEAK_DEFINITIONS, by_cell, code_cell, gib, pct, peak_column, rate, stable_peak_column
+from .views import PEAK_DEFINITIONS, by_cell, code_cell, gib, in_cell, pct, peak_column, rate, stable_peak_column
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def _not_ok(frame: pd.DataFrame) -> list[str]:
     for _, r in bad.iterrows():
         why = r["oom_phase"] if r["status"] == "oom" else r["skip_reason"] if r["status"] == "skipped" else r["error"]
         first_line = str(why).strip().splitlines()[-1] if pd.notna(why) and str(why).strip() else ""
-        lines.append(f"| `{r['cell_id']}` | {r['status']} | {first_line.replace('|', '/')} |")
+        lines.append(f"| `{r['cell_id']}` | {r['status']} | {in_cell(first_line)} |")
     return [*lines, ""]
 
 

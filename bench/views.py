@@ -74,10 +74,17 @@ def by_cell(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).reset_index(drop=True)
 
 
+def in_cell(text: str) -> str:
+    """Text kept whole in a markdown table's cell: a `|` in it (lora's targets, q_proj|v_proj) escaped, which
+    GitHub's tables read as one pipe, else the row splits there. Not changed to another character: a user
+    copies peft's hint of targets as it is written."""
+    return str(text).replace("|", "\\|")
+
+
 def code_cell(text: str) -> str:
-    """Text as code in a markdown table's cell: a `|` in it (lora's targets, q_proj|v_proj) escaped, as
-    GitHub's tables need even inside a code span, else the row splits there."""
-    return "`" + str(text).replace("|", "\\|") + "`"
+    """Text as code in a markdown table's cell: its pipes escaped as in `in_cell` (needed inside a code span
+    too)."""
+    return "`" + in_cell(text) + "`"
 
 
 def gib(x: float) -> str:

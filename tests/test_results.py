@@ -186,6 +186,21 @@ def test_a_board_names_the_cells_whose_worker_held_a_cuda_context_before_them() 
     assert f"`{frame['cell_id'].iloc[2]}`" in board.split("held a CUDA context")[1].splitlines()[0]
 
 
+def test_a_boards_failure_table_keeps_a_reasons_pipes() -> None:
+    """peft's hint names the targets that would do as `in_proj|x_proj`: the board's table of cells that did not
+    run keeps them as written (escaped, one pipe to GitHub), not turned into another character a user copies."""
+    from bench import report
+
+    published = Path(__file__).resolve().parents[1] / "results" / "llama3b" / "runs" / "llama3b-h200-20261127.parquet"
+    frame = results.read_parquet(published)
+    hint = "peft cannot wrap these; targets=dt_proj|in_proj|x_proj would do"
+    skipped = frame.assign(status=["skipped" if i == 0 else s for i, s in enumerate(frame["status"])],
+                           skip_reason=[hint if i == 0 else s for i, s in enumerate(frame["skip_reason"])])
+    cell = frame["cell_id"].iloc[0]
+    rows = [line for line in report.leaderboard(skipped, "cmd").splitlines() if line.startswith(f"| `{cell}` |")]
+    assert rows == [f"| `{cell}` | skipped | peft cannot wrap these; targets=dt_proj\\|in_proj\\|x_proj would do |"]
+
+
 def test_a_board_says_whether_the_warm_up_steps_were_enough() -> None:
     """From each cell's step trace: the step after which reserved stopped growing (the H200 run: the second,
     in every cell) and, once steps carry their time, the last warm-up step against the measured median."""

@@ -52,6 +52,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import model_types  # noqa: E402  (tools/: the architectures' shrunk configs)
 
+from bench.views import in_cell  # noqa: E402
+
 ZERO = "ZeRO: its hybrid is compared with DeepSpeed's engine on gloo ranks by tools/hybrid_check.py"
 ENGINE_RANKS = 2  # FSDP2's and DDP's pairs: the fake process group's ranks against as many real gloo ranks
 TIMEOUT_S = 600  # one pair: two counted runs of a two-layer model, seconds to a minute on 2 cores
@@ -271,7 +273,7 @@ def _stack(p: Pair) -> str:
 
 def _result(p: Pair) -> str:
     if p.status in ("failed", "no real step"):
-        return f"**{p.status}**: {model_types.in_cell(p.why)}"
+        return f"**{p.status}**: {in_cell(p.why)}"
     worst = p.worst
     if worst is None and p.fake_state_gib != p.real_state_gib:
         return f"**differs**: optimizer state {p.fake_state_gib:.6f} GiB fake, {p.real_state_gib:.6f} GiB real"

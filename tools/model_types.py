@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the suite's package, installed or not
+
+from bench.views import in_cell  # noqa: E402  (a reason's pipes, peft's hint of targets, kept in its cell)
+
 TIMEOUT_S = 300  # one answer: a two-layer model's fake step takes seconds; a hang is a failure, not a wait
 
 # The sizes any architecture reads, narrowed; an architecture's other fields stay its defaults
@@ -228,7 +232,6 @@ def _real_step(config_path: Path, stack: str) -> None:
     """The cell's step for real: the stack as `bench run` builds it (bf16 weights, its techniques, its engine), on
     the CPU, one optimizer step. A stack the CPU cannot run (CUDA kernels) raises, saying so."""
     threading.Thread(target=_stop_past, args=(REAL_STEP_MAX_GIB,), daemon=True).start()
-    sys.path.insert(0, str(REPO))
     from bench import cells, envinfo, models, spec, trainer
 
     name = models.register_file(config_path)
@@ -280,12 +283,6 @@ def _cell(a: Answer) -> str:
         return said + "; **runs for real**"
     same = a.real_step[:80] == a.why[:80]  # an error's exception, or the real step's within its first 80 characters
     return said + ("; fails for real too" if same else f"; fails for real: {in_cell(a.real_step)}")
-
-
-def in_cell(text: str) -> str:
-    """A pipe kept inside its table cell (GitHub's markdown reads `\\|` as one): peft's hint names targets as
-    `down_proj|gate_proj`, which a user copies as they are."""
-    return text.replace("|", "\\|")
 
 
 def versions() -> str:
