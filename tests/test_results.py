@@ -145,6 +145,45 @@ def test_tables_of_an_older_schema_stay_readable(tmp_path: Path) -> None:
     assert row["gpus"] == 1 and row["useful_tokens_per_s"] == row["tokens_per_s_per_gpu"] == 1000.0
 
 
+def _predicted(cell_id: str, status: str = "ok", **extra: object) -> dict:
+    return {"schema_version": results.PREDICTED.version, "run_id": "p", "cell_id": cell_id, "status": status, **extra}
+
+
+def test_a_predicted_table_read_whole_columns_at_a_time_is_what_its_rows_make(tmp_path: Path) -> None:
+    """A predicted table is converted a column at a time: an older one (columns missing) reads as `to_frame`
+    makes its rows, of the cells asked for, in the current schema's dtypes; a column outside the schema or a
+    status outside its statuses is refused as a row of it would be."""
+    import pandas as pd
+
+    rows = [_predicted("a", peak_allocated_gib=1.5, gpus=2, fits=True), _predicted("b", "skipped", skip_reason="no"),
+            _predicted("c", peak_allocated_gib=None, gpus=None)]
+    old = tmp_path / "old.parquet"
+    pd.DataFrame(rows).to_parquet(old)  # written before most of today's columns existed, NaN and None in them
+    assert results.read_parquet(old, results.PREDICTED).equals(results.to_frame(rows, results.PREDICTED))
+    some = results.read_parquet(old, results.PREDICTED, cell_ids=["c", "a"])
+    assert some.equals(results.to_frame([rows[0], rows[2]], results.PREDICTED))
+    assert list(some.index) == [0, 1] and str(some["gpus"].dtype) == "Int64" and str(some["fits"].dtype) == "boolean"
+
+    pd.DataFrame([_predicted("a", not_a_column=1)]).to_parquet(tmp_path / "extra.parquet")
+    with pytest.raises(KeyError, match="not_a_column"):
+        results.read_parquet(tmp_path / "extra.parquet", results.PREDICTED)
+    pd.DataFrame([_predicted("a"), _predicted("b", "exploded")]).to_parquet(tmp_path / "status.parquet")
+    with pytest.raises(ValueError, match="'exploded'"):
+        results.read_parquet(tmp_path / "status.parquet", results.PREDICTED)
+
+
+def test_a_table_is_read_once_a_process_and_again_once_replaced(tmp_path: Path) -> None:
+    """Every report reads every published table; a process reads a file once. A copy each time (a caller that
+    changes its frame changes no one else's), and a table written since is read afresh."""
+    path = tmp_path / "p.parquet"
+    results.write_parquet([_predicted("a", peak_allocated_gib=1.0)], path, results.PREDICTED)
+    first = results.read_parquet(path, results.PREDICTED)
+    first.loc[0, "peak_allocated_gib"] = 99.0
+    assert results.read_parquet(path, results.PREDICTED).loc[0, "peak_allocated_gib"] == 1.0
+    results.write_parquet([_predicted("a", peak_allocated_gib=2.0), _predicted("b")], path, results.PREDICTED)
+    assert list(results.read_parquet(path, results.PREDICTED)["peak_allocated_gib"].fillna(0)) == [2.0, 0.0]
+
+
 def test_boards_state_coverage_spread_and_noise() -> None:
     """The published smoke run (CPU, noisy step times): the board says how much of the plan it covers
     and which stacks are missing, shows a noisy cell's CV, and calls no noise-sized change a finding."""
