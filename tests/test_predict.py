@@ -4,6 +4,7 @@ and says what it cannot predict."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import shutil
@@ -1523,6 +1524,7 @@ def test_the_catalogues_new_techniques_are_predicted_where_they_save() -> None:
     gradients from the next peak; selective checkpointing lands between gc and none."""
     matrix = spec.get(REPO / "matrix.yaml", "llama3b")
 
+    @functools.cache  # each stack predicted once (a 3B cell: 5-10 s on a 2-core CPU)
     def peak(stack: str) -> float:
         found = fake.predict_cell(make_cell(matrix, "cuda", "llama-3.2-3b", 2048, 2, parse_stack(stack)), gpus.get("h100"))
         assert found["status"] == "ok", found.get("error")
