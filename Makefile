@@ -42,7 +42,7 @@ PREDICT_STACKS_FAKE_VS_REAL_BASELINE ?= results/coverage/$(PREDICT_BASELINE_VERS
 JOBS ?= 2
 # the suite on TEST_JOBS pytest-xdist workers, each process of it on one thread: half the suite is one-threaded
 # Python (fake tensors) or waits on a child (timeouts, torchrun), so two workers keep both cores busy where one left
-# one idle (38 min -> 27 min on 2 cores, 2026-12-02); a test's own processes get no second thread to contend for
+# one idle (42 min -> 26 min on 2 cores, 2026-12-02: README); a test's own processes get no second thread to contend for
 TEST_JOBS ?= 2
 REGRESS_PY = $(if $(VERSIONS),.venv-$(VERSIONS)/bin/python,$(PY))
 REGRESS_RUN := regress-$(or $(VERSIONS),current)-$(shell date -u +%Y%m%d-%H%M%S)
