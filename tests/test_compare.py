@@ -230,3 +230,43 @@ def test_the_nightly_version_set_is_the_newest_final_release_not_yanked() -> Non
 
     text = newest_versions.constraints({"torch": "2.15.0", "peft": "0.21.2"}, dt.date(2026, 11, 30))
     assert text.splitlines()[1:] == ["torch==2.15.0", "peft==0.21.2"] and text.startswith("# Newest releases")
+
+
+def _wheel(directory: Path, name: str, version: str, *requires: str) -> None:
+    """A wheel holding only its metadata: enough for pip's resolver, which reads nothing else."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    metadata = "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                          *(f"Requires-Dist: {r}" for r in requires)]) + "\n"
+    with zipfile.ZipFile(directory / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{info}/METADATA", metadata)
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def test_the_nightly_version_set_is_what_pip_installs_not_a_newest_release_it_cannot(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 2026-12-02 transformers 5.25.0 was on PyPI but needed `kernels>=0.19.1`, which PyPI did not have: pip
+    installed 5.24.0, and a nightly set pinning 5.25.0 failed its own install instead of gating anything. The set is
+    now pip's resolution, and the newest release passed over is named with pip's reason. Here on wheels made up for
+    it, through the real pip: `lib` 2.0 needs a `dep` release no index has."""
+    import datetime as dt
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import newest_versions
+
+    for wheel in [("lib", "1.0", "dep>=1"), ("lib", "2.0", "dep>=5"), ("dep", "1.2"), ("Other_Lib", "3.0+cpu")]:
+        _wheel(tmp_path, *wheel)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    local = ("--no-index", "--find-links", str(tmp_path))
+    resolved = newest_versions.pip_resolves(["lib", "other-lib"], local)
+    assert resolved == {"lib": "1.0", "dep": "1.2", "other-lib": "3.0"}  # canonical names, local label dropped
+    assert "dep>=5" in newest_versions.why_not("lib", "2.0", local)
+    with pytest.raises(newest_versions.PipRefused, match="dep>=5"):
+        newest_versions.pip_resolves(["lib==2.0"], local)
+    text = newest_versions.constraints({"lib": "1.0"}, dt.date(2026, 12, 2), {"lib": ("2.0", "no dep>=5")})
+    assert text.splitlines() == ["# Newest releases pip installs together on 2026-12-02 (tools/newest_versions.py).",
+                                 "# lib 2.0 is on PyPI but not installed: no dep>=5", "lib==1.0"]
