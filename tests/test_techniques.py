@@ -347,6 +347,35 @@ def test_quantized_bases_on_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) 
         {checkpoint.name}
 
 
+@pytest.mark.parametrize("stack", ["qlora", "int8_lora"])
+def test_a_quantized_base_loads_without_the_hubs_kernels(stack: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.25's from_pretrained swaps layers for the Hub's kernels unless told not to (5.24's did not):
+    under it every qlora and int8_lora step failed on a host without the `kernels` package, and with it would have
+    run kernels no stack names. The load says `use_kernels=False`, and the model it returns is not kernelized."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from bench import spec
+    from bench.cells import make_cell
+    from bench.stacks import parse_stack
+
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path))
+    calls: list[dict[str, Any]] = []
+    load = AutoModelForCausalLM.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    cell = make_cell(spec.get(REPO / "matrix.yaml", "smoke"), "cpu", "tiny-llama", 64, 2, parse_stack(stack))
+    [use] = [u for u in cell.stack.uses if u.technique.load]
+    model = use.technique.load(cell, "cpu", "sdpa", use.opts)  # type: ignore[misc]
+    assert [c.get("use_kernels") for c in calls] == [False]
+    assert not getattr(model, "use_kernels", False)
+
+
 def test_a_random_checkpoint_holds_the_plain_builds_weights_and_gpu_cells_prefer_the_gpu_drawn_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized base's random checkpoint holds the weights a plain build of the same model and seed

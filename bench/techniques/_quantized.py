@@ -26,10 +26,13 @@ def technique(name: str, summary: str, quantization: Callable[[Options], Any], l
 
         if device == "meta":
             return _skeleton(cell, attn_implementation, quantization(opts))
+        # use_kernels=False: transformers 5.25 made from_pretrained swap layers for the Hub's kernels by default
+        # (`kernels`), which would change the stack's memory behind its name, differ from the plain build of the
+        # other stacks and the fake run's skeleton, and need the Hub on an offline GPU host. A stack names its kernels.
         model = AutoModelForCausalLM.from_pretrained(
             checkpoints.for_load(cell.model, cell.seed, device), quantization_config=quantization(opts),
             dtype=torch.bfloat16, device_map={"": 0 if device == "cuda" else device},
-            attn_implementation=attn_implementation)
+            attn_implementation=attn_implementation, use_kernels=False)
         model.config.use_cache = False
         return model.train()
 
