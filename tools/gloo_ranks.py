@@ -32,28 +32,41 @@ _GLOO_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_i
 
 
 def collectives_release_their_tensors(dist: Any) -> None:
-    """Makes each blocking collective return only once gloo has let go of its tensors. Gloo's worker
-    thread holds a collective's work, and with it the tensors, until it takes its queue's lock again
-    after waking the caller; on a busy CPU the caller runs on first, and a tensor it has dropped (FSDP2's
-    reduce-scatter input) then dies later, in the worker's thread, while the step has allocated more:
-    a late free the counter sees as a higher peak (CI: +262,656 B in the first backward, 1 run in 8
-    here under load). A GPU run has no such thread holding its tensors."""
+    """Makes each blocking collective count what a GPU's would, and return only once gloo has let go of
+    its tensors.
+
+    Gloo's reduce-scatter reduces a copy of its whole input, made in gloo's worker thread (no dispatch mode
+    sees it), then splits that copy into the output on the caller's thread, where the counter met it and
+    counted it: a block of the input's size that NCCL never makes, dying whenever the worker dropped its
+    work, in the worker's thread, while the step went on allocating. That was the late block that made the
+    2-rank comparison flaky under load (+262,656 B in the first backward, CI: the root unit's bf16 input;
+    +21,504 B in the first optimizer step, 2026-12-05: its fp32 input outliving backward). So a collective
+    runs with the counter's dispatch modes off: its output is written in place into tensors already
+    counted, and gloo's own buffers stay uncounted.
+
+    The worker also holds the tensors handed to it until it drops the work, after waking the caller. So
+    gloo is handed aliases (`detach`: one more handle on each storage), and the caller waits until every
+    alias is gone, so that a tensor the caller then drops dies on the caller's thread, as on a GPU."""
     import torch
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    def storages(args: tuple, kwargs: dict) -> list:
-        return [a.untyped_storage() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    def handles(storages: list) -> list[int]:
+        return [torch._C._storage_Use_Count(s._cdata) for s in storages]
 
-    def use_counts(held: list) -> list[int]:
-        return [torch._C._storage_Use_Count(s._cdata) for s in held]
+    def alias(value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) else value
 
     def released(collective: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            held = storages(args, kwargs)
-            before = use_counts(held)
-            work = collective(*args, **kwargs)
-            deadline = time.monotonic() + 5
-            while not kwargs.get("async_op") and time.monotonic() < deadline \
-                    and any(now > then for now, then in zip(use_counts(held), before, strict=True)):
+            if kwargs.get("async_op"):  # the caller waits on its work and holds its tensors as long
+                return collective(*args, **kwargs)
+            storages = [a.untyped_storage() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            before = handles(storages)
+            with _disable_current_modes():
+                work = collective(*(alias(a) for a in args), **{k: alias(v) for k, v in kwargs.items()})
+            deadline = time.monotonic() + 5  # our aliases are gone: what still holds one is gloo's worker
+            while time.monotonic() < deadline and any(now > then for now, then in zip(handles(storages), before,
+                                                                                      strict=True)):
                 time.sleep(0.001)
             return work
         return call
