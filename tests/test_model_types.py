@@ -86,6 +86,13 @@ def test_a_shrunk_config_keeps_a_layer_of_each_kind_its_model_has() -> None:
                               ("gemma3_text", {"sliding_attention", "full_attention"})):
         config = model_types.shrunk(model_type)
         assert set(config["layer_types"]) == kinds and config["num_hidden_layers"] == len(config["layer_types"])
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if "kolibri1_1" in CONFIG_MAPPING:  # transformers >= 5.25. Its lists of layer indices at the default depth (the
+        # indexer layers, each layer's key-value source) are derived again at two layers, not cut as per-layer lists
+        kolibri = AutoConfig.for_model(**model_types.shrunk("kolibri1_1"))
+        assert kolibri.layer_types == ["sliding_attention", "indexed_attention"]
+        assert (kolibri.index_layers, kolibri.kv_source_layers, kolibri.mlp_only_layers) == ([1], [0, 1], [0])
 
 
 def test_every_architecture_shrinks_to_a_config_transformers_builds() -> None:

@@ -79,6 +79,8 @@ OWN_SIZES: dict[str, dict[str, Any]] = {
              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},  # looped and output layers
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 64},
+    "kolibri1_1": {"mlp_only_layers": [0], "index_num_heads": 2},  # a dense layer and an experts one; index heads
+    # at most the query heads of a key head (4 // 2)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "longcat_flash": {"num_layers": 2, "qk_head_dim": 64, "moe_topk": 2, "zero_expert_num": 2,
                       "expert_ffn_hidden_size": 128, "max_position_embeddings": 4096},
@@ -86,7 +88,9 @@ OWN_SIZES: dict[str, dict[str, Any]] = {
     "zamba2": {"hybrid_layer_ids": [1], "attention_hidden_size": 512, "attention_head_dim": 128, "mamba_headdim": 64},
     "zaya": {"num_experts_per_tok": 1},
 }
-LAYER_INDEX_LISTS = ("mlp_only_layers",)  # indices of layers at the default depth: None lets the config derive them
+# Layer indices at the default depth (Kolibri's indexer layers, the layer each reads its keys and values from):
+# None lets the config derive them at the shrunk depth, unless OWN_SIZES names them
+LAYER_INDEX_LISTS = ("mlp_only_layers", "index_layers", "kv_source_layers")
 PER_LAYER_DICTS = ("per_layer_config",)  # layer index -> that layer's own settings (Gemma 4)
 DEPTHS = ("num_hidden_layers", "n_layer", "n_layers", "decoder_layers")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -101,7 +105,8 @@ def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, An
     config = AutoConfig.for_model(model_type).to_dict()
     depth_key = next((key for key in DEPTHS if isinstance(config.get(key), int)), None)
     per_layer = [key for key, value in config.items() if depth_key and isinstance(value, list)
-                 and len(value) == config[depth_key] > SMALL[depth_key]]  # one entry a layer: layer_types, say
+                 and len(value) == config[depth_key] > SMALL[depth_key]  # one entry a layer: layer_types, say
+                 and key not in LAYER_INDEX_LISTS]
     config |= {key: value for key, value in SMALL.items() if key in config}
     if "kv_lora_rank" in config:  # latent attention: a head per query head, rope on a head's rope part
         config |= {"num_key_value_heads": config["num_attention_heads"], "head_dim": config["qk_rope_head_dim"]}
@@ -115,7 +120,7 @@ def shrunk(model_type: str, extra: dict[str, Any] | None = None) -> dict[str, An
     for key in PER_LAYER_DICTS:  # keyed by layer index: the kept layers', renumbered
         if isinstance(config.get(key), dict):
             config[key] = {str(keep.index(int(i))): v for i, v in config[key].items() if int(i) in keep}
-    config |= {key: None for key in LAYER_INDEX_LISTS if isinstance(config.get(key), list)}
+    config |= {key: None for key in LAYER_INDEX_LISTS if isinstance(config.get(key), list) and key not in own}
     config |= {key: 1 for key in TOKEN_IDS if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]}
     return config
 
