@@ -3,17 +3,21 @@ resume, bad input that ran, faults with the wrong status. Each case as a user me
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
+from bench import cli
 from conftest import REPO, bench_args, raw_rows, run_bench, write_matrix
 
 pytestmark = pytest.mark.timeout(600)
@@ -161,7 +165,8 @@ def test_host_memory_failures_are_host_oom_on_one_rank_and_under_torchrun(workdi
 
 
 @pytest.mark.slow
-def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path) -> None:
+def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Publishing is committing a run's parquet. A user's run then gets its own board and its own
     run id, even on the day of the published run, and the matrix's LEADERBOARD.md stays as published."""
     write_matrix(workdir, TINY)
@@ -175,12 +180,25 @@ def test_a_users_run_never_replaces_or_writes_into_a_published_run(workdir: Path
     board = workdir / "results" / "t" / "LEADERBOARD.md"
     before = board.read_text()
 
-    mine = run_bench(workdir, "run", "t")  # both cells, on the same day: it would be the headline run
-    assert mine.returncode == 0, mine.stderr
-    assert f"run {published.stem}-local:" in mine.stdout
+    # Both cells, on the published run's day (held there: CI may cross midnight between the two runs),
+    # so its id would be the published one's.
+    published_day = dt.datetime.strptime(published.stem.rsplit("-", 1)[1], "%Y%m%d").replace(tzinfo=dt.UTC)
+    monkeypatch.setattr(cli, "dt", SimpleNamespace(datetime=_FrozenClock(published_day), UTC=dt.UTC))
+    assert cli.main(bench_args(workdir, "run", "t")[3:]) == 0
+    assert f"run {published.stem}-local:" in capsys.readouterr().out
     assert (workdir / "results" / "t" / "runs" / f"{published.stem}-local.md").exists()
     assert board.read_text() == before
     assert pd.read_parquet(published)["cell_id"].nunique() == 1  # the published table is untouched
+
+
+@dataclass(frozen=True)
+class _FrozenClock:
+    """Stands in for `datetime.datetime` where only `now` is asked for."""
+
+    at: dt.datetime
+
+    def now(self, tz: dt.tzinfo | None = None) -> dt.datetime:
+        return self.at.astimezone(tz)
 
 
 def _planted_build_lock(workdir: Path, monkeypatch: pytest.MonkeyPatch, op_dir: str, age_s: float = 0) -> Path:
