@@ -52,10 +52,33 @@ def _in_step(cell: Any, opts: Options, evidence: Evidence) -> Iterator[None]:
     # Only the innermost saved-tensor hooks act: with activation_offload's own (it counts what it
     # moves), counting here would keep its hooks from seeing anything.
     counting = "activation_offload" not in cell.stack.names
-    with config.patch(activation_memory_budget=opts["memory_budget"]), \
+    with config.patch(activation_memory_budget=opts["memory_budget"]), _checkpoint_side_effects_skipped(), \
             (_saved_bytes_counted(evidence) if counting else contextlib.nullcontext()):
         yield
-    evidence["compile_graphs"] = int(counters["stats"]["unique_graphs"])
+    evidence["compile_graphs"] = int(counters["stats"]["unique_graphs"])  # 0: every layer ran eagerly
+
+
+@contextlib.contextmanager
+def _checkpoint_side_effects_skipped() -> Iterator[None]:
+    """Lets dynamo trace a checkpointed layer whose forward writes Python state, without replaying the write when
+    backward recomputes the layer (torchtitan sets the same whenever it compiles).
+
+    Why: transformers (5.24 and 5.25 alike) checkpoints a layer's `forward` inside its (compiled) call, so dynamo
+    traces torch.utils.checkpoint as one higher-order op, which refuses any Python side effect; and with the
+    `kernels` package, which transformers 5.25 requires, the attention's forward is wrapped by one
+    (`use_kernelized_func`: it sets and resets a global of the active kernel functions). Without this, `compile + gc` compiled no graph (`compile_graphs` 0): every layer ran
+    eagerly, its predicted step time +90% on Llama-3.2-1B at seq 1024. That write is undone within the same forward
+    and only picks functions at trace time, so skipping its replay changes nothing; a model whose checkpointed
+    forward wrote state that backward reads would diverge from eager here, as under torchtitan. (Liger's RoPE is a
+    `torch.compiler.disable`d call, which no setting lets dynamo trace in a checkpoint: `compile + gc + liger`
+    still runs its layers eagerly.)"""
+    from torch._dynamo import config
+
+    if not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        yield  # a torch without the setting
+        return
+    with config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
 
 
 @contextlib.contextmanager
