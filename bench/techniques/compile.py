@@ -66,12 +66,12 @@ def _checkpoint_side_effects_skipped() -> Iterator[None]:
     Why: transformers (5.24 and 5.25 alike) checkpoints a layer's `forward` inside its (compiled) call, so dynamo
     traces torch.utils.checkpoint as one higher-order op, which refuses any Python side effect; and with the
     `kernels` package, which transformers 5.25 requires, the attention's forward is wrapped by one
-    (`use_kernelized_func`: it sets and resets a global of the active kernel functions). Without this, `compile + gc` compiled no graph (`compile_graphs` 0): every layer ran
-    eagerly, its predicted step time +90% on Llama-3.2-1B at seq 1024. That write is undone within the same forward
-    and only picks functions at trace time, so skipping its replay changes nothing; a model whose checkpointed
-    forward wrote state that backward reads would diverge from eager here, as under torchtitan. (Liger's RoPE is a
-    `torch.compiler.disable`d call, which no setting lets dynamo trace in a checkpoint: `compile + gc + liger`
-    still runs its layers eagerly.)"""
+    (`use_kernelized_func`: it sets and resets a global of the active kernel functions). Without this,
+    `compile + gc` compiled no graph (`compile_graphs` 0): every layer ran eagerly, its predicted step time +90% on
+    Llama-3.2-1B at seq 1024. That write is undone within the same forward and only picks functions at trace time,
+    so skipping its replay changes nothing; a model whose checkpointed forward wrote state that backward reads
+    would diverge from eager here, as under torchtitan. (Liger's RoPE is a `torch.compiler.disable`d call, which no
+    setting lets dynamo trace in a checkpoint: `compile + gc + liger` still runs its layers eagerly.)"""
     from torch._dynamo import config
 
     if not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
