@@ -394,7 +394,7 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     measured_host = both[both["host_peak_gib"].notna()] if "host_peak_gib" in both else both.iloc[0:0]
     lines += ["", f"Host RAM (`host_peak_gib`, offload stacks): {len(host)} cells predicted, {len(measured_host)} "
               "measured on a GPU host to check them"
-              + (f" (median abs error {_median_max((measured_host['host_peak_gib'] - measured_host['host_rss_peak_gib']) / measured_host['host_rss_peak_gib'])})"  # noqa: E501
+              + (f" (median / max abs error {_median_max((measured_host['host_peak_gib'] - measured_host['host_rss_peak_gib']) / measured_host['host_rss_peak_gib'])})"  # noqa: E501
                  if len(measured_host) else "; the field case (Llama-3.1-8B, ZeRO-2 + Adam offload) is tested to "
                  "say `host_oom` on a 128 GiB host") + ".", ""]
     lines += _saves(both, ok)
