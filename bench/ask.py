@@ -372,7 +372,8 @@ def verdict_detail(a: Answer) -> str:
     if a.verdict == "does not fit":
         return f": live tensors alone peak at {p['peak_allocated_gib']:.2f} GiB"
     if a.verdict == "host_oom":
-        return f": the host needs {predict_runner.host_needed_gib(p):.2f} GiB of RAM"
+        return (f": the host needs {predict_runner.host_needed_gib(p):.2f} GiB of RAM, more than its "
+                f"{p['host_memory_gib']:g} GiB")
     if a.verdict == "not judged" and p.get("status") == "ok":
         if a.card.memory_gib is None:
             return " (this GPU kind's capacity is not measured: pass --gpu-memory-gib)"

@@ -422,7 +422,7 @@ def _print_prediction(cell: cells.Cell, row: dict) -> None:
         op = f" ({row['peak_op']})" if row.get("peak_op") else ""
         detail = f"peak allocated {row['peak_allocated_gib']:.2f} GiB in {row['peak_phase']}{op}, {row['predict_s']:.1f} s"
         if row.get("host_peak_gib") is not None:
-            verdict = {True: "", False: ": host_oom", None: ""}[row.get("host_fits")]
+            verdict = f": host_oom on a {row['host_memory_gib']:g} GiB host" if row.get("host_fits") is False else ""
             detail += f", host {row['host_peak_gib']:.1f} GiB{verdict}"
     else:
         detail = str(row.get("unsupported_reason") or row.get("skip_reason") or row.get("error") or "").strip().splitlines()[-1]

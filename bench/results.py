@@ -145,11 +145,11 @@ COLUMNS = tuple(name for name, _, _ in SCHEMA)
 
 # Predictions (`bench predict`): a table of their own, results/<matrix>/predicted/<run_id>.parquet,
 # keyed by the same cell ids as measured rows. Every figure is a prediction, not a measurement.
-PREDICTED_SCHEMA_VERSION = 12  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
+PREDICTED_SCHEMA_VERSION = 13  # 2: phase_timeline_json, peak_reserved_gib, device_peak_gib, fits,
 # alloc_retries, step_trace_json; 3: the hybrid's model_states_gib, buckets_gib; host_peak_gib, host_fits;
 # 4: step_tflop; 5: checkpoint and the save's checkpoint_* columns; 6: segments_json; 7: least_card_gib;
 # 8: fits_budgets_json; 9: least_torch_gib; 10: python_hash_seed; 11: step_ops, step_kernels, step_compute_tflop,
-# step_memory_gb, step_ms; 12: evidence_json
+# step_memory_gb, step_ms; 12: evidence_json; 13: host_memory_gib
 PREDICTED_STATUSES = ("ok", "unsupported", "skipped", "error")
 _PROVENANCE = tuple(c for c in SCHEMA if c[0] in (
     "cpu_name", "python", "python_hash_seed", "torch_version", "transformers_version", "peft_version", "deepspeed_version",
@@ -220,6 +220,8 @@ PREDICTED_SCHEMA: tuple[tuple[str, str, str], ...] = (
                                "process (measured), GiB"),
     ("host_fits", "bool", "PREDICTED host_peak_gib and checkpoint_host_peak_gib <= the host's RAM (--host-memory-gib); "
                           "False: expect host_oom"),
+    ("host_memory_gib", "float", "the host RAM host_fits was judged against (--host-memory-gib), GiB; empty where "
+                                 "not judged. Tables before schema 13 gain it from rerun_cmd, which names the flag"),
     ("checkpoint_peak_allocated_gib", "float", "PREDICTED allocated during the checkpoint save: what the last step "
                                                "left alive, plus the one parameter FSDP2's model save gathers whole "
                                                "(bench/predict/save.py: no other save path modelled allocates on "
@@ -542,6 +544,9 @@ def _conform(frame, table: Table):
         bad = sorted(set(frame["status"][~frame["status"].isin(table.statuses)].astype(str)))
         raise ValueError(f"{table.name} row has an invalid status {bad[0]!r}")
 
+    if "host_memory_gib" in table.columns and "host_memory_gib" not in frame.columns and "rerun_cmd" in frame:
+        frame = frame.assign(host_memory_gib=_host_memory_flag_gib(frame["rerun_cmd"]))
+
     def column(name: str, dtype: str):
         if name not in frame.columns:  # added since the table was written: empty
             return pd.array([None] * len(frame), dtype=dtype)
@@ -549,6 +554,14 @@ def _conform(frame, table: Table):
         return values if str(values.dtype) == dtype else values.astype(dtype)
 
     return pd.DataFrame({name: column(name, _DTYPES[kind]) for name, kind, _ in table.schema})
+
+
+def _host_memory_flag_gib(rerun_cmd):
+    """The --host-memory-gib a prediction ran with, from its rerun_cmd (which has named every flag given since
+    host_fits was added, schema 3); empty where the flag was not given."""
+    import pandas as pd
+
+    return pd.to_numeric(rerun_cmd.astype("string").str.extract(r"--host-memory-gib (\S+)")[0], errors="coerce")
 
 
 MEMORY_COLUMNS = tuple(name for name, _, _ in SCHEMA if name.endswith("_gib"))

@@ -18,6 +18,7 @@ import pytest
 from bench import ask, cli, envinfo, fit, models, results
 from bench.predict import gpus
 from bench.predict import report as predict_report
+from bench.predict import runner as predict_runner
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS["h100"]
@@ -260,6 +261,10 @@ def test_the_verdict_follows_the_card_then_the_host_and_says_when_it_cannot_judg
     assert _answer(fits=True).verdict == "fits"
     assert _answer(fits=False).verdict == "does not fit"
     assert _answer(fits=True, host_fits=False).verdict == "host_oom"
+    host_oom = _answer(fits=True, peak_phase="measure/backward", predict_s=1.0, peak_reserved_gib=11.0,
+                       host_peak_gib=130.0, **predict_runner.judged({"host_peak_gib": 130.0}, None, 128.0))
+    assert host_oom.predicted["host_fits"] is False and host_oom.predicted["host_memory_gib"] == 128.0
+    assert "host_oom: the host needs 130.00 GiB of RAM, more than its 128 GiB" in ask.text(host_oom)
     assert _answer(status="unsupported").verdict == "not predicted"
     unmeasured = gpus.GpuKind("x", "a card whose context is not measured", (8, 9), memory_gib=24.0)
     assert _answer(unmeasured).verdict == "not judged"  # reserved + an unknown context

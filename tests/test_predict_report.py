@@ -248,3 +248,23 @@ def test_a_techniques_evidence_is_set_beside_the_gpus_where_both_rows_have_it(tm
                            report.predictions(results_dir, every_software=True))
     section = text.split("A technique's own evidence", 1)[1].split("\n\n")[1].splitlines()[2:]
     assert section == [f"| `{cell}` | {measured.loc[cell, 'gpu_name']} | saved_for_backward_gib | 1.25 | 1.5 |"]
+
+
+def test_a_later_prediction_that_named_no_host_does_not_unsay_the_host_verdict(tmp_path: Path) -> None:
+    """PREDICTION.md's host table: each offload cell's newest judged prediction, with the host it was judged
+    against; a newer run without --host-memory-gib, under the same releases, leaves the verdict standing."""
+    (tmp_path / "m" / "predicted").mkdir(parents=True)
+    base = {"schema_version": report.results.PREDICTED.version, "status": "ok", "matrix": "m", "device": "cuda",
+            "torch_version": "2.13.0", "transformers_version": "5.25.0", "gpu_kind": "h100", "peak_allocated_gib": 9.0}
+    tables = {"judged": [{"cell_id": "offload_a", "host_peak_gib": 172.3, "host_fits": False, "host_memory_gib": 128.0},
+                         {"cell_id": "offload_b", "host_peak_gib": 4.2, "host_fits": True, "host_memory_gib": 64.0}],
+              "later": [{"cell_id": "offload_a", "host_peak_gib": 172.4}, {"cell_id": "offload_c", "host_peak_gib": 3.0}]}
+    for day, (run_id, rows) in enumerate(tables.items(), start=1):
+        report.results.write_parquet([base | r | {"run_id": run_id, "started_at": f"2026-12-0{day}T00:00:00+00:00"}
+                                      for r in rows], tmp_path / "m" / "predicted" / f"{run_id}.parquet",
+                                     report.results.PREDICTED)
+    every = report.every_prediction(tmp_path)
+    text = report.markdown(report.measured_gpu_cells(tmp_path), report.newest(every, every_software=True), every)
+    assert "| `offload_a` | 172.3 |  | **no: host_oom** on 128 GiB |" in text
+    assert "| `offload_b` | 4.2 |  | yes, of 64 GiB |" in text
+    assert "| `offload_c` | 3.0 |  | not judged (no --host-memory-gib) |" in text

@@ -196,7 +196,7 @@ def markdown(measured: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFram
     lines += _under_old_code(both)
     lines += _by_software(measured, predicted)
     lines += _made_before_run(measured, every, both) if every is not None else []
-    lines += _by_method(both, predicted)
+    lines += _by_method(both, predicted, every if every is not None else predicted)
     lines += _evidence(both)
     if len(both):
         lines += ["| cell | GPU | stack | seq | batch | allocated GiB: measured | predicted | error | "
@@ -373,8 +373,9 @@ def _tables_state(results_dir: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple((str(p), st.st_size, st.st_mtime_ns) for p in paths for st in (p.stat(),))
 
 
-def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
-    """Per way of predicting: cells predicted, cells measured to check them, and the errors; and host RAM."""
+def _by_method(both: pd.DataFrame, predicted: pd.DataFrame, every: pd.DataFrame) -> list[str]:
+    """Per way of predicting: cells predicted, cells measured to check them, and the errors; and host RAM
+    (from `every` prediction, oldest first: see `_host_judged`)."""
     ok = predicted[predicted["status"] == "ok"].drop_duplicates("cell_id", keep="last")
     lines = ["### By method", "", "| method | cells predicted | measured GPU cells to check them | allocated: median / "
              "max abs error | reserved: median / max abs error |", "|---|---|---|---|---|"]
@@ -390,7 +391,7 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
               "(tools/hybrid_check.py; its figures in bench/predict/hybrid.py). A method gets its GPU errors here as its "
               "cells are measured (the GPU backlog); `bench ask` gives each answer the record of the cells predicted "
               "as it is, with or without offload."]
-    host = ok[ok["host_peak_gib"].notna()] if "host_peak_gib" in ok else ok.iloc[0:0]
+    host = _host_judged(every)
     measured_host = both[both["host_peak_gib"].notna()] if "host_peak_gib" in both else both.iloc[0:0]
     lines += ["", f"Host RAM (`host_peak_gib`, offload stacks): {len(host)} cells predicted, {len(measured_host)} "
               "measured on a GPU host to check them"
@@ -401,7 +402,8 @@ def _by_method(both: pd.DataFrame, predicted: pd.DataFrame) -> list[str]:
     if len(host):
         lines += ["| cell | host GiB (predicted) | during its save | fits the host |", "|---|---|---|---|"]
         lines += [f"| `{r['cell_id']}` | {r['host_peak_gib']:.1f} | {_one_decimal(r.get('checkpoint_host_peak_gib'))} | "
-                  f"{_host_verdict(r.get('host_fits'))} |" for _, r in host.sort_values("cell_id").iterrows()]
+                  f"{_host_verdict(r.get('host_fits'), r.get('host_memory_gib'))} |"
+                  for _, r in host.sort_values("cell_id").iterrows()]
         lines.append("")
     return lines
 
@@ -505,10 +507,18 @@ def _saves(both: pd.DataFrame, ok: pd.DataFrame) -> list[str]:
     return [line + ".", ""]
 
 
-def _host_verdict(fits: object) -> str:
+def _host_judged(every: pd.DataFrame) -> pd.DataFrame:
+    """Of predictions oldest first, each offload cell's newest of its host RAM, a judged one (run with
+    --host-memory-gib) before any other: a later run that did not name the host does not unsay a verdict."""
+    host = every[(every["status"] == "ok") & every["host_peak_gib"].notna()].reset_index(drop=True)
+    newest_judged_last = host.assign(judged=host["host_fits"].notna().astype(bool), order=range(len(host)))
+    return host.loc[newest_judged_last.sort_values(["judged", "order"]).drop_duplicates("cell_id", keep="last").index]
+
+
+def _host_verdict(fits: object, host_memory_gib: object) -> str:
     if fits is None or pd.isna(fits):  # type: ignore[arg-type]
         return "not judged (no --host-memory-gib)"
-    return "yes" if fits else "**no: host_oom**"
+    return f"yes, of {host_memory_gib:g} GiB" if fits else f"**no: host_oom** on {host_memory_gib:g} GiB"
 
 
 def _median_max(errors: pd.Series | None) -> str:

@@ -254,14 +254,15 @@ def record(cell: Cell, found: dict[str, Any], opts: PredictOptions, provenance: 
 
 def judged(row: dict[str, Any], memory_gib: float | None, host_memory_gib: float | None) -> dict[str, Any]:
     """A predicted row against the card and the host: `headroom_gib` (the card's memory less the whole
-    device's peak, or less peak allocated where what lives outside torch is not known) and `host_fits`."""
+    device's peak, or less peak allocated where what lives outside torch is not known) and `host_fits`, with
+    the host's RAM it was judged against."""
     out: dict[str, Any] = {}
     peak = row.get("device_peak_gib") if row.get("device_peak_gib") is not None else row.get("peak_allocated_gib")
     if memory_gib is not None and peak is not None:
         out["headroom_gib"] = memory_gib - peak
     host = host_needed_gib(row)
     if host_memory_gib is not None and host is not None:
-        out["host_fits"] = host <= host_memory_gib
+        out.update(host_fits=host <= host_memory_gib, host_memory_gib=host_memory_gib)
     return out
 
 
