@@ -533,8 +533,8 @@ def _read_parquet(path: str, _inode: int, _mtime_ns: int, _size: int, table: Tab
 def _conform(frame, table: Table):
     """A table's frame in the current schema, as `to_frame` makes it from the same rows, a column at a time
     (the 335 published predicted tables: 2.7 s on a 2-core CPU, 6.2 s row by row, besides 3.4 s reading them):
-    columns outside the schema or a status outside its statuses refused, missing columns empty, every column
-    in its dtype."""
+    columns outside the schema or a status outside its statuses refused, missing columns empty (host_memory_gib
+    read from rerun_cmd), every column in its dtype."""
     import pandas as pd
 
     unknown = set(frame.columns) - set(table.columns)
@@ -544,8 +544,8 @@ def _conform(frame, table: Table):
         bad = sorted(set(frame["status"][~frame["status"].isin(table.statuses)].astype(str)))
         raise ValueError(f"{table.name} row has an invalid status {bad[0]!r}")
 
-    if "host_memory_gib" in table.columns and "host_memory_gib" not in frame.columns and "rerun_cmd" in frame:
-        frame = frame.assign(host_memory_gib=_host_memory_flag_gib(frame["rerun_cmd"]))
+    if "host_memory_gib" in table.columns and "host_memory_gib" not in frame and {"rerun_cmd", "host_fits"} <= set(frame):
+        frame = frame.assign(host_memory_gib=_host_memory_flag_gib(frame["rerun_cmd"]).where(frame["host_fits"].notna()))
 
     def column(name: str, dtype: str):
         if name not in frame.columns:  # added since the table was written: empty
@@ -558,7 +558,8 @@ def _conform(frame, table: Table):
 
 def _host_memory_flag_gib(rerun_cmd):
     """The --host-memory-gib a prediction ran with, from its rerun_cmd (which has named every flag given since
-    host_fits was added, schema 3); empty where the flag was not given."""
+    host_fits was added, schema 3); empty where the flag was not given (the caller keeps it where host_fits
+    was judged, as a prediction records it)."""
     import pandas as pd
 
     return pd.to_numeric(rerun_cmd.astype("string").str.extract(r"--host-memory-gib (\S+)")[0], errors="coerce")

@@ -174,16 +174,17 @@ def test_a_predicted_table_read_whole_columns_at_a_time_is_what_its_rows_make(tm
 
 def test_an_older_predicted_table_gains_the_host_it_was_judged_against_from_its_rerun_command(tmp_path: Path) -> None:
     """Schema 13 records host_memory_gib; a table written before it has the flag in each row's rerun_cmd, and
-    only where it was given: a row predicted without it stays not judged."""
+    only where it was given: a row predicted without it, or one with nothing on the host to judge, stays empty."""
     import pandas as pd
 
     cmd = "python -m bench predict m --gpu h100 --run-id p --only '{}' --redo"
     rows = [_predicted("a", host_fits=False, rerun_cmd=cmd.format("a") + " --host-memory-gib 128"),
-            _predicted("b", rerun_cmd=cmd.format("b") + " --gpu-memory-gib 40 --host-memory-gib 7.5"),
-            _predicted("c", rerun_cmd=cmd.format("c")), _predicted("d")]
+            _predicted("b", host_fits=True, rerun_cmd=cmd.format("b") + " --gpu-memory-gib 40 --host-memory-gib 7.5"),
+            _predicted("c", rerun_cmd=cmd.format("c") + " --host-memory-gib 128"),  # no offload: nothing judged
+            _predicted("d", rerun_cmd=cmd.format("d")), _predicted("e")]
     old = tmp_path / "old.parquet"
     pd.DataFrame(rows).to_parquet(old)
-    assert results.read_parquet(old, results.PREDICTED)["host_memory_gib"].tolist() == [128.0, 7.5, pd.NA, pd.NA]
+    assert results.read_parquet(old, results.PREDICTED)["host_memory_gib"].tolist() == [128.0, 7.5, pd.NA, pd.NA, pd.NA]
     new = tmp_path / "new.parquet"  # a recorded column is read as written, not from the command
     results.write_parquet([rows[0] | {"host_memory_gib": 64.0}], new, results.PREDICTED)
     assert results.read_parquet(new, results.PREDICTED).loc[0, "host_memory_gib"] == 64.0
