@@ -234,7 +234,7 @@ def not_predicted(p: dict[str, Any]) -> str:
 
 
 def software(row: dict[str, Any]) -> str:
-    return predict_report.software_label(row.get("torch_version"), row.get("transformers_version"))
+    return predict_report.software_label(row)
 
 
 def _predicted_lines(a: Answer) -> list[str]:

@@ -30,6 +30,7 @@ def _results_with_a_second_software(tmp_path: Path, started_at: str) -> Path:
     other = other[other["cell_id"].isin(measured.index[measured["status"] == "ok"])].copy()
     other["run_id"], other["started_at"] = "same-software", started_at
     other["torch_version"], other["transformers_version"] = "2.11.0+cu130", "5.17.0"
+    other["peft_version"] = measured["peft_version"].iloc[0]
     for column in ("peak_allocated_gib", "peak_reserved_gib"):
         other[column] = other["cell_id"].map(measured[column]).astype(other[column].dtype)
     other.to_parquet(tmp_path / "llama3b" / "predicted" / "same-software.parquet")
@@ -52,7 +53,7 @@ def test_a_preferred_softwares_prediction_is_chosen_over_a_newer_one_under_other
     """`predictions(prefer=...)`, as SCENARIOS.md takes them: a cell's newest prediction made under the GPU
     runs' releases, though one under other releases is newer; a cell with none under them keeps its newest."""
     results_dir = _results_with_a_second_software(tmp_path, "2000-01-01T00:00:00+00:00")  # the preferred: older
-    image = "torch 2.11.0, transformers 5.17.0"
+    image = "torch 2.11.0, transformers 5.17.0, peft 0.21.0"
     newest = report.predictions(results_dir).set_index("cell_id")
     preferred = report.predictions(results_dir, prefer=image).set_index("cell_id")
     assert newest.index.is_unique and preferred.index.is_unique and set(newest.index) == set(preferred.index)
@@ -88,8 +89,8 @@ def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: P
     text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
     section = text.split("### By software", 1)[1].split("\n\n", 2)[2].split("\n\n")[0].splitlines()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in section[2:]}
-    assert set(rows) == {"torch 2.13.0, transformers 5.23.0"}  # each other release, beside the measured run's
-    other = rows["torch 2.13.0, transformers 5.23.0"]
+    assert set(rows) == {"torch 2.13.0, transformers 5.23.0, peft 0.21.2"}  # each other release, beside the measured run's
+    other = rows["torch 2.13.0, transformers 5.23.0, peft 0.21.2"]
     assert other[1] == str(len(report.checked(results_dir)))
     reserved, beside = other[3].split(" (")
     assert beside == "0.00% / 0.00%)" and reserved != "0.00% / 0.00%"  # in brackets: the measured run's releases
@@ -98,20 +99,24 @@ def test_prediction_md_gives_each_softwares_errors_on_the_same_cells(tmp_path: P
     assert "**56 cells compared**" in text  # one pair per measured cell, not one per prediction
 
 
-def test_a_release_that_predicted_a_few_cells_does_not_shrink_the_other_comparisons(tmp_path: Path) -> None:
-    """A third release (a transformers release checked on 5 cells): it is set beside the measured run's
-    releases on those 5 cells, while the other release keeps its comparison on every measured cell."""
+@pytest.mark.parametrize("library", ["transformers", "peft"])
+def test_a_release_that_predicted_a_few_cells_does_not_shrink_the_other_comparisons(tmp_path: Path, library: str) -> None:
+    """A third release (of transformers, or of peft alone: its LoRA layers are the step's code too) checked on 5
+    cells: it is set beside the measured run's releases on those 5 cells, while the other release keeps its
+    comparison on every measured cell."""
     results_dir = _results_with_a_second_software(tmp_path, "2100-01-01T00:00:00+00:00")
     few = pd.read_parquet(PREDICTED_RUN)
     few = few[few["cell_id"].isin(report.checked(results_dir)["cell_id"])].head(5).copy()
-    few["run_id"], few["transformers_version"] = "newer-transformers", "9.9.9"
-    few.to_parquet(results_dir / "llama3b" / "predicted" / "newer-transformers.parquet")
+    few["run_id"], few[f"{library}_version"] = "newer-release", "9.9.9"
+    few.to_parquet(results_dir / "llama3b" / "predicted" / "newer-release.parquet")
     text = report.markdown(report.measured_gpu_cells(results_dir), report.predictions(results_dir, every_software=True))
     section = text.split("### By software", 1)[1].split("\n\n", 2)[2].split("\n\n")[0].splitlines()
     rows = [line.split(" | ") for line in section[2:]]
     everything = str(len(report.checked(results_dir)))
-    assert [(r[0].strip("| "), r[1]) for r in rows] == [
-        ("torch 2.13.0, transformers 5.23.0", everything), ("torch 2.13.0, transformers 9.9.9", "5")]
+    newer = {"transformers": "torch 2.13.0, transformers 9.9.9, peft 0.21.2",
+             "peft": "torch 2.13.0, transformers 5.23.0, peft 9.9.9"}[library]
+    assert sorted((r[0].strip("| "), r[1]) for r in rows) == sorted(
+        [("torch 2.13.0, transformers 5.23.0, peft 0.21.2", everything), (newer, "5")])
 
 
 def test_a_board_shows_the_prediction_under_the_measured_runs_software(tmp_path: Path) -> None:

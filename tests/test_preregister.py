@@ -17,7 +17,7 @@ import preregister  # noqa: E402
 from bench import spec  # noqa: E402
 from bench.predict import gpus  # noqa: E402
 
-IMAGE = "torch 2.11.0, transformers 5.17.0"
+IMAGE = "torch 2.11.0, transformers 5.17.0, peft 0.21.0"
 H100_PREDICTIONS = REPO / "results" / "llama8b" / "predicted" / "llama8b-predicted-h100-torch211-20261128.parquet"
 H200_RUN = REPO / "results" / "llama3b" / "runs" / "llama3b-h200-20261127.parquet"
 

@@ -1,6 +1,6 @@
 """The cells a GPU would run next that no published prediction speaks for yet, and the commands that predict them.
 
-    python tools/preregister.py h200 llama3b llama8b staircase [--software "torch 2.11.0, transformers 5.17.0"]
+    python tools/preregister.py h200 llama3b llama8b staircase [--software "torch 2.11.0, transformers 5.17.0, peft 0.21.0"]
 
 PREDICTION.md's "Predicted before the GPU ran it" can only hold cells predicted before the GPU ran them. So
 before a GPU window, every cell it may run should have a prediction that stands for that GPU kind: one made for
@@ -64,14 +64,14 @@ def default_software(results_dir: Path, kind: gpus.GpuKind) -> str:
     if rows.empty:
         refuse(f"no published run on {kind.name}: name the releases with --software")
     newest = rows.sort_values("started_at").iloc[-1]
-    return report.software_label(newest["torch_version"], newest["transformers_version"])
+    return report.software_label(newest)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gpu", help=f"GPU kind: {', '.join(gpus.GPUS)}")
     parser.add_argument("matrices", nargs="+", help="matrices of matrix.yaml")
-    parser.add_argument("--software", help="'torch X, transformers Y' (default: the newest run's on that GPU kind)")
+    parser.add_argument("--software", help="'torch X, transformers Y, peft Z' (default: the newest run's on that GPU kind)")
     parser.add_argument("--results-dir", type=Path, default=REPO / "results")
     args = parser.parse_args()
     try:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -70,19 +71,25 @@ def every_prediction(results_dir: Path, matrix: str | None = None,
     return pd.concat(frames, ignore_index=True).sort_values("started_at", kind="stable").reset_index(drop=True)
 
 
-def software_label(torch_version: object, transformers_version: object) -> str:
-    """The releases a row ran under, as one label: 'torch 2.11.0, transformers 5.17.0' (a build's local
-    tag, +cpu or +cu130, dropped: the same release runs the same Python code on either)."""
-    def text(v: object) -> str:
-        return "?" if v is None or pd.isna(v) else str(v)  # type: ignore[arg-type]
+# the libraries whose release changes what a training step holds, as a row records them: the label a prediction is
+# grouped by (By software) and matched to its measurement with (peft too: its LoRA layers are the step's code)
+SOFTWARE = ("torch", "transformers", "peft")
 
-    return f"torch {text(torch_version).split('+')[0]}, transformers {text(transformers_version)}"
+
+def software_label(row: Mapping[str, Any], suffix: str = "") -> str:
+    """The releases a row ran under, as one label: 'torch 2.11.0, transformers 5.17.0, peft 0.21.0' (columns
+    `<library>_version<suffix>`; a build's local tag, +cpu or +cu130, dropped: the same release runs the same Python
+    code on either; '?' where the row does not record one)."""
+    def text(v: object) -> str:
+        return "?" if v is None or pd.isna(v) else str(v).split("+")[0]  # type: ignore[arg-type]
+
+    return ", ".join(f"{library} {text(row.get(f'{library}_version{suffix}'))}" for library in SOFTWARE)
 
 
 def software(frame: pd.DataFrame, suffix: str = "") -> pd.Series:
-    """Each row's `software_label` (columns torch_version and transformers_version, with the suffix)."""
-    labels = [software_label(t, tr) for t, tr in zip(frame[f"torch_version{suffix}"],
-                                                     frame[f"transformers_version{suffix}"], strict=True)]
+    """Each row's `software_label` (its SOFTWARE versions' columns, with the suffix)."""
+    columns = [c for c in (f"{library}_version{suffix}" for library in SOFTWARE) if c in frame.columns]
+    labels = [software_label(row, suffix) for row in frame[columns].to_dict("records")]
     return pd.Series(labels, index=frame.index, dtype=object)
 
 

@@ -173,7 +173,7 @@ def _error(cell: dict[str, Any], measured_reserved_gib: float | None) -> float |
 def _mark_primary(cells: list[dict[str, Any]], gpu_software: str | None) -> None:
     def rank(cell: dict[str, Any]) -> tuple[bool, bool, str]:
         row = cell["row"]
-        label = predict_report.software_label(row.get("torch_version"), row.get("transformers_version"))
+        label = predict_report.software_label(row)
         return cell["status"] == "ok", cell["source"] == "predicted" and label == gpu_software, cell["started_at"]
 
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
