@@ -51,8 +51,9 @@ def test_an_h100_prediction_speaks_for_an_h200_only_where_the_cards_size_shaped_
     assert on_h100 == [c for c in to_run if c not in (calm, retried, too_big, unsupported)]
 
 
-def test_a_bad_gpu_kind_or_matrix_exits_2() -> None:
-    for args in (["h999", "llama8b"], ["h200", "no-such-matrix"]):
+def test_a_bad_gpu_kind_matrix_or_software_exits_2() -> None:
+    for args in (["h999", "llama8b"], ["h200", "no-such-matrix"],
+                 ["h200", "llama8b", "--software", "torch 2.11.0, transformers 5.17.0"]):  # peft unnamed
         proc = subprocess.run([sys.executable, str(REPO / "tools" / "preregister.py"), *args],
                               capture_output=True, text=True, cwd=REPO)
         assert proc.returncode == 2 and "preregister:" in proc.stderr and not proc.stdout

@@ -79,6 +79,10 @@ def main() -> None:
         matrices = [spec.get(REPO / "matrix.yaml", name) for name in args.matrices]
     except (KeyError, spec.SpecError) as err:
         refuse(str(err.args[0]) if isinstance(err, KeyError) else str(err))
+    if args.software is not None and not all(f"{library} " in args.software for library in report.SOFTWARE):
+        # a label naming fewer libraries (the form before peft was one) would match no prediction: every cell unspoken for
+        refuse(f"--software {args.software!r}: name each of {', '.join(report.SOFTWARE)} with its release, as "
+               "PREDICTION.md's By software does ('torch 2.11.0, transformers 5.17.0, peft 0.21.0')")
     software = args.software or default_software(args.results_dir, kind)
     print(f"# cells a {kind.name} would run that no prediction under {software} speaks for")
     for matrix in matrices:
