@@ -103,8 +103,8 @@ def answer(question: Question, card: gpus.GpuKind, host_memory_gib: float | None
         predicted: dict[str, Any] = {"status": "skipped", "skip_reason": skip_reason}
     else:
         releases = envinfo.versions()
-        predicted = {"prediction_method": predict_runner.METHOD, "torch_version": releases["torch"],
-                     "transformers_version": releases["transformers"],
+        predicted = {"prediction_method": predict_runner.METHOD,
+                     **{f"{library}_version": releases[library] for library in predict_report.SOFTWARE},
                      **predict_runner.fake_run(pool, cell, card)}  # a hybrid's says its method
         predicted.update(predict_runner.judged(predicted, card.memory_gib, host_memory_gib))
     return Answer(cell, card, predicted, tuple(measured_rows(results_dir, cell)))

@@ -37,7 +37,7 @@ def _measured(cell_id: str, run_id: str, status: str, reserved: float | None, **
     return {"schema_version": results.SCHEMA_VERSION, "run_id": run_id, "cell_id": cell_id, "status": status,
             "device": "cuda", "gpu_name": H100.name, "peak_allocated_gib": 0.5, "peak_reserved_gib": reserved,
             "started_at": "2026-11-24T00:00:00+00:00", "torch_version": HERE["torch"],
-            "transformers_version": HERE["transformers"], **settings}
+            "transformers_version": HERE["transformers"], "peft_version": HERE["peft"], **settings}
 
 
 def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_measurement(
@@ -66,11 +66,11 @@ def test_a_cell_is_predicted_judged_on_the_card_and_shown_beside_its_published_m
     assert "reserved 0.75 GiB" in out and "under the suite's code as it was, since fixed: a hook as it was" in out
     monkeypatch.undo()
 
-    older = {**same, "torch_version": "2.0.1", "transformers_version": "4.40.0"}  # releases no venv here has
+    older = {**same, "torch_version": "2.0.1", "transformers_version": "4.40.0", "peft_version": "0.10.0"}  # no venv's
     results.write_parquet([_measured(cell.cell_id, "older-gpu-run", "ok", 0.8, **older)],
                           tmp_path / "results" / "m" / "runs" / "older-gpu-run.parquet")
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc")
-    assert "run older-gpu-run (torch 2.0.1, transformers 4.40.0)" in out
+    assert "run older-gpu-run (torch 2.0.1, transformers 4.40.0, peft 0.10.0)" in out
     assert "measured under other releases than predicted here" in out
 
     code, out = _ask(tmp_path, capsys, "tiny-llama", "--seq", "64", "--batch", "2", "--stack", "gc", "--json")
