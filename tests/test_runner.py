@@ -169,8 +169,10 @@ def test_every_failure_becomes_its_row(workdir: Path) -> None:
 
 
 def test_no_prune_runs_larger_batches_after_an_oom(workdir: Path) -> None:
-    write_matrix(workdir, FAULTS.replace("fault(mode=raise), ", "").replace("exclude: [{batch_size: 2, stack: fault},",
-                                                                            "exclude: ["))
+    # no cell here hangs, so the timeout only has to outlast a worker's imports on two busy cores (30 s did not
+    # always, beside a second job): a timeout would hide the OOM this test is about
+    matrix = FAULTS.replace("fault(mode=raise), ", "").replace("exclude: [{batch_size: 2, stack: fault},", "exclude: [")
+    write_matrix(workdir, matrix.replace("timeout_s: 30", "timeout_s: 300"))
     proc = run_bench(workdir, "run", "faults", "--run-id", "np", "--no-prune", "--only", "*fault-mode-oom*")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(r["status"] for r in raw_rows(workdir, "np").values()) == ["oom", "oom"]
