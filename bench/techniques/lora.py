@@ -15,6 +15,9 @@ On a mixture of experts, whose experts transformers 5 fuses into 3-D parameters 
 in the experts (counted on the meta device, transformers 5.24.0, peft 0.21.2), about 11 GiB of fp32
 gradients and AdamW moments; `targets=q_proj|k_proj|v_proj|o_proj` adapts the attention alone. peft has no DoRA for
 fused experts (`lora.ParamWrapper`): `dora` on such a model is refused when planned (`peft_problem`).
+What `all-linear` takes moves with peft: 0.22.0 adds what 0.21.2 left out, Qwen2-MoE's router and fused experts
+(transformers 5.25.0's default Qwen2MoeConfig, 14.3 B: 15.9 M trainable -> 320.5 M at r=16) and DeepSeek's dense
+MLPs and shared experts (DeepSeek-V3's default config: 7,645 M -> 7,675 M), counted on the meta device.
 """
 
 from __future__ import annotations
