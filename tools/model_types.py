@@ -11,7 +11,8 @@ each answer's status, peak allocated and reserved GiB (H100, predictions: fake r
 measurements), and for one that was not predicted why (a reason's first line, an error's exception), and for one that
 failed whether the same cell's step runs for real (`runs_for_real`: if it does, the failure is the predictor's);
 beside the table, NAME.json keeps the answers. Exit 0 once every answer is in; with `--baseline` (an earlier NAME.json), 1 if
-an answer it predicted no longer predicts; 2 on bad arguments. A new torch or transformers release that stops an
+an answer it predicted no longer predicts (and, not failing, a list of the peaks that moved by more than 1%); 2 on bad
+arguments. A new torch or transformers release that stops an
 architecture predicting shows here before a user asks about it (`tests/test_ask.py` keeps five unlike Llama's in
 the suite).
 
@@ -343,9 +344,11 @@ def moved(baseline: dict[str, Any], answers: list[Answer]) -> list[str]:
     lines = []
     for b in sorted(baseline["answers"], key=lambda b: (b["model_type"], b["stack"])):
         a, before = now.get((b["model_type"], b["stack"])), b.get("peak_allocated_gib")
-        if b["status"] == "ok" and a and before and abs(a.peak_allocated_gib / before - 1) * 100 > MOVED_PCT:
-            lines.append(f"{a.model_type} / {a.stack}: {before:.4f} -> {a.peak_allocated_gib:.4f} GiB "
-                         f"({(a.peak_allocated_gib / before - 1) * 100:+.2f}%)")
+        if b["status"] != "ok" or not a or not before:
+            continue
+        change_pct = (a.peak_allocated_gib / before - 1) * 100
+        if abs(change_pct) > MOVED_PCT:
+            lines.append(f"{a.model_type} / {a.stack}: {before:.4f} -> {a.peak_allocated_gib:.4f} GiB ({change_pct:+.2f}%)")
     return lines
 
 
