@@ -200,6 +200,15 @@ def test_fake_vs_real_sets_a_predicted_architectures_fake_run_beside_real_cpu_te
     assert missing.returncode == 2 and "--baseline" in missing.stderr
 
 
+def test_fake_vs_real_names_each_release_once() -> None:
+    """A comparison's header names the releases it ran under, each once: the stacks' form adds bitsandbytes and
+    torchao to the architectures' (torch, transformers, peft), not peft a second time."""
+    import fake_vs_real  # tools/
+
+    named = [part.split()[0] for part in fake_vs_real.stack_versions().split(", ")]
+    assert named[:3] == ["torch", "transformers", "peft"] and len(named) == len(set(named)), named
+
+
 def test_fake_vs_real_keeps_a_reasons_pipes_as_said() -> None:
     """peft's hint names targets as `q_proj|k_proj`: in the list of pairs not compared it stays as said, in a table's
     cell it is escaped (GitHub reads `\\|` as one pipe), never turned into slashes a user would copy wrongly."""

@@ -395,11 +395,12 @@ def _stacks(args: argparse.Namespace) -> tuple[list[Pair], dict[str, Any]]:
 
 
 def stack_versions() -> str:
-    """The releases the stacks' techniques come from, beside torch's and transformers'."""
+    """The releases the stacks' techniques come from, beside those an architecture's answer names (torch's,
+    transformers' and peft's: `model_types.versions`, so each library is named once)."""
     from bench.envinfo import versions
 
     found = versions()
-    named = [f"{name} {found[name]}" for name in ("peft", "bitsandbytes", "torchao") if found.get(name)]
+    named = [f"{name} {found[name]}" for name in ("bitsandbytes", "torchao") if found.get(name)]
     return ", ".join([model_types.versions(), *named])
 
 
