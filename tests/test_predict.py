@@ -108,7 +108,7 @@ def test_pinned_host_memory_is_held_in_power_of_two_blocks_that_are_cached() -> 
                                           "padding", "packing", "eager_attention", "adamw(impl=foreach)", "qlora",
                                           "gc + qlora", "galore(rank=8)", "apollo(rank=8)",
                                           "apollo(rank=1, scale_type=tensor)", "adafactor",
-                                          "adafactor(impl=forloop)", "torchao_adamw(state=int4)"]),
+                                          "adafactor(impl=forloop)", "torchao_adamw(state=int4)", "muon"]),
     *(("tiny-olmoe", stack) for stack in ["baseline", "gc + lora", "lora(targets=q_proj|k_proj|v_proj|o_proj)", "qlora",
                                           "mixed"]),
 ])
@@ -1855,6 +1855,29 @@ def test_recomputation_shows_in_the_counted_flops_and_its_plot(tmp_path: Path) -
                                **found[s]} for s in stacks])
     path = plots._recompute(predicted.iloc[:0], predicted, tmp_path / "recompute.png")
     assert path is not None and path.stat().st_size > 10_000
+
+
+def test_muons_newton_schulz_iterations_are_counted_in_the_steps_flops() -> None:
+    """Muon orthogonalizes each decoder matrix's update (m x n, m the smaller side) by Newton-Schulz iterations of
+    three matmuls: X X^T (2 m^2 n FLOPs), the Gram matrix squared (2 m^3), and that times X (2 m^2 n). Each
+    iteration more adds exactly their sum over tiny-llama's 14 matrices to the counted step; the state is one
+    momentum per matrix (bf16: 2 B a value) where AdamW keeps two moments and a step count, the embedding, output
+    layer and norms AdamW's."""
+    h100 = gpus.get("h100")
+    fields = models.get("tiny-llama").hf_fields
+    hidden, width, layers = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]
+    kv = fields["num_key_value_heads"] * fields["head_dim"]
+    shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (width, hidden), (width, hidden),
+              (hidden, width)]  # q, k, v, o, gate, up, down
+    iteration = layers * sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in shapes)
+    found = {steps: fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2,
+                                                parse_stack(f"muon(ns_steps={steps})")), h100) for steps in (1, 5)}
+    assert (found[5]["step_tflop"] - found[1]["step_tflop"]) * 1e12 == pytest.approx(4 * iteration, rel=1e-9)
+    adamw = fake.predict_cell(make_cell(SMOKE, "cuda", "tiny-llama", 64, 2, parse_stack("baseline")), h100)
+    matrices = layers * sum(rows * cols for rows, cols in shapes)
+    # one moment fewer a matrix, and no step count (AdamW's: a 4 B float each)
+    assert (adamw["optimizer_state_gib"] - found[5]["optimizer_state_gib"]) * 2**30 == \
+        pytest.approx(2 * matrices + 4 * layers * len(shapes))
 
 
 def test_liger_counts_the_matmuls_of_its_fused_loss() -> None:

@@ -79,7 +79,7 @@ matrices:
              torchao_adamw, torchao_adamw(state=int4), torchao_adamw(state=fp8), compile, gc + compile,
              galore(rank=8), "apollo(rank=1, scale_type=tensor)", cce, cce(impl=torch_compile),
              gc + cce(impl=torch_compile), compile(scope=model), "compile(scope=model, memory_budget=0)",
-             adafactor, adafactor(impl=forloop), ddp + adafactor]
+             adafactor, adafactor(impl=forloop), ddp + adafactor, muon, gc + muon(ns_steps=2)]
     steps: {warmup: 2, measure: 3}
     timeout_s: 120
 """
@@ -165,6 +165,16 @@ def test_catalogue_on_cpu(workdir: Path) -> None:
         assert rows[stack]["optimizer_state_gib"] < rows["baseline"]["optimizer_state_gib"] / 50, stack
         assert losses[stack][0] == pytest.approx(base[0], rel=1e-3), stack
     assert losses["adafactor"] == pytest.approx(losses["adafactor(impl=forloop)"], rel=1e-3)  # the same update
+    # Muon: tiny-llama's 2 x 7 decoder matrices, AdamW for the embedding, output layer and 5 norms; a momentum per
+    # matrix (bf16: 2 B a value) where AdamW keeps two and a step count (4 B), so the state is smaller by 2 B per
+    # matrix value and 4 B per matrix
+    matrices = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64)  # q and o, k and v, gate, up and down
+    for stack in ("muon", "gc + muon(ns_steps=2)"):
+        evidence = json.loads(rows[stack]["evidence_json"])
+        assert (evidence["muon_matrices"], evidence["muon_adamw_params"]) == (14, 7), stack
+        assert (rows["baseline"]["optimizer_state_gib"] - rows[stack]["optimizer_state_gib"]) * 2**30 == \
+            pytest.approx(2 * matrices + 4 * 14), stack
+        assert losses[stack][0] == pytest.approx(base[0], rel=1e-3) and losses[stack] != base, stack
 
     cut = json.loads(rows["cce(impl=torch_compile)"]["evidence_json"])
     assert (cut["cce_impl"], cut["cce_model"]) == ("torch_compile", "LlamaForCausalLM")
