@@ -3,7 +3,8 @@ an optimizer whose state, as the suite counts it, includes the projection matric
 
 GaLore and APOLLO project the gradient of each 2-D weight of the decoder layers (attention and MLP
 projections) to `rank` dimensions and keep Adam's moments there; embeddings, the output layer, norms
-and biases keep full AdamW state (as both papers train them).
+and biases keep full AdamW state (as both papers train them). Muon (muon.py) splits the parameters the
+same way: its Newton-Schulz update for the decoder matrices, AdamW for the rest.
 """
 
 from __future__ import annotations
