@@ -382,12 +382,15 @@ def _set_aside(path: Path, err: Exception) -> None:
 def published_rows(results_dir: Path, run_id: str, folder: str = "runs") -> dict[str, dict[str, Any]]:
     """row key -> row of the run's published table (results/*/FOLDER/RUN_ID.parquet: runs/ measured,
     predicted/ predicted), if there is one: what a run published from another machine (raw rows are
-    not committed) already finished."""
+    not committed) already finished. Read in the current schema, as the reports read it: a resumed run
+    rewrites these rows, so what an older table's rows say by other columns (a predicted row's host RAM,
+    once only in its rerun_cmd) must reach the new table."""
     import pandas as pd
 
+    table = PREDICTED if folder == "predicted" else MEASURED
     rows: dict[str, dict[str, Any]] = {}
     for path in sorted(results_dir.glob(f"*/{folder}/{run_id}.parquet")):
-        frame = pd.read_parquet(path)
+        frame = read_parquet(path, table)
         for record in frame.to_dict("records"):
             row = {k: None if v is pd.NA or v is None or v != v else v for k, v in record.items()}  # v != v: NaN
             rows[row_key(str(row["cell_id"]), row.get("repeat"))] = row

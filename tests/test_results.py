@@ -188,6 +188,13 @@ def test_an_older_predicted_table_gains_the_host_it_was_judged_against_from_its_
     new = tmp_path / "new.parquet"  # a recorded column is read as written, not from the command
     results.write_parquet([rows[0] | {"host_memory_gib": 64.0}], new, results.PREDICTED)
     assert results.read_parquet(new, results.PREDICTED).loc[0, "host_memory_gib"] == 64.0
+    # a run resumed from its published table (`bench predict --only` adding cells) rewrites its rows: they keep the
+    # host they were judged against (read in the current schema, as the reports read them; 2026-12-08, the coverage
+    # baseline's 10 judged offload cells lost their 128 GiB to a resume)
+    (tmp_path / "m" / "predicted").mkdir(parents=True)
+    old.rename(tmp_path / "m" / "predicted" / "p.parquet")
+    published = results.published_rows(tmp_path, "p", folder="predicted")
+    assert [published[k].get("host_memory_gib") for k in "abcde"] == [128.0, 7.5, None, None, None]
 
 
 def test_a_table_is_read_once_a_process_and_again_once_replaced(tmp_path: Path) -> None:
