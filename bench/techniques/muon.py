@@ -5,8 +5,8 @@ keeps two moments (4 B/param); the embedding, the output layer and the norms kee
 authors and Moonshot train them (torch's Muon takes 2-D parameters only, and is meant for hidden
 layers). Llama-3.2-3B's decoder matrices are 2.8 of its 3.2 B parameters: about 5 GiB of its 12 GiB of
 AdamW state. Costs: each step orthogonalizes every matrix's update by `ns_steps` Newton-Schulz
-iterations in bf16, five matmuls' worth of FLOPs per iteration and matrix, one matrix at a time (torch's
-Muon has no foreach path): about 2 x ns_steps x (2 m^2 n + m^3) FLOPs for an m x n matrix (m <= n), a
+iterations in bf16, three matmuls each (X X^T, its square, that times X), one matrix at a time (torch's
+Muon has no foreach path): 2 x ns_steps x (2 m^2 n + m^3) FLOPs for an m x n matrix (m <= n), a
 fixed cost per optimizer step whatever the batch (bench predict counts it in the step's FLOPs), and
 temporaries the size of the largest matrix plus its m x m Gram matrices. Not exact: another update, so
 the losses leave AdamW's after the first step. The learning rate is scaled per matrix as Moonshot's
